@@ -1,0 +1,286 @@
+"""Stage 1: byte arithmetic. How big is the KV cache, and how many conversations fit?
+
+For every token it has seen, each attention layer keeps one key and one value vector per
+KV head. So the cache costs, per token,
+
+    2 (K and V) x layers x kv_heads x head_dim x bytes per element
+
+and a conversation of N tokens costs N times that. Everything else in this module is
+bookkeeping around that one line: reading the numbers out of any Hugging Face config
+(each model family spells them differently), a table of real models and GPUs, and the
+"bill": what is left for the cache once the weights are loaded, and how many sequences
+of a given length it holds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+# Bytes per element. fp8 caches (e4m3/e5m2) halve fp16's bill; int4 is listed for weights.
+DTYPE_BYTES: dict[str, float] = {
+    "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "int4": 0.5,
+}
+DTYPE_ALIASES = {
+    "fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
+    "bf16": "bfloat16", "fp8": "float8_e4m3fn", "float8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+}
+
+# Each family names the same numbers differently; we try the names in this order.
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
+KV_HEAD_FIELDS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "n_kv_heads")
+HIDDEN_FIELDS = ("hidden_size", "n_embd", "d_model", "dim")
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> float:
+    """Bytes per element of a dtype given by name ("fp16", "bfloat16", "fp8") or torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize
+    name = str(dtype).lower().removeprefix("torch.")
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        known = ", ".join(sorted(set(DTYPE_BYTES) | set(DTYPE_ALIASES)))
+        raise ValueError(f"unknown dtype {dtype!r}; use one of: {known}")
+    return DTYPE_BYTES[name]
+
+
+def _field(cfg: Any, names: tuple[str, ...]) -> Any:
+    """The first of `names` that the config (dict or PretrainedConfig) sets to a value."""
+    for name in names:
+        value = cfg.get(name) if isinstance(cfg, Mapping) else getattr(cfg, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The four numbers that size a KV cache (plus a name and, when known, the parameter count)."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    name: str = ""
+    num_params: int | None = None
+
+    def __post_init__(self):
+        for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelShape.{field} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads}): each KV head serves a group")
+
+    @property
+    def attention(self) -> str:
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else f"GQA ({self.num_heads // self.num_kv_heads} q heads per kv head)"
+
+    @classmethod
+    def from_config(cls, cfg: Any, name: str = "", num_params: int | None = None) -> "ModelShape":
+        """Read a transformers ``PretrainedConfig`` or a plain dict (a config.json) of any common family."""
+        if _field(cfg, ("text_config",)) is not None:  # multimodal wrappers keep the LM in text_config
+            cfg = _field(cfg, ("text_config",))
+        if _field(cfg, ("kv_lora_rank",)) is not None:
+            raise ValueError("this config uses multi-head latent attention (MLA, e.g. DeepSeek-V2/V3): it caches "
+                             "a compressed latent, not K/V per head, and minikv does not size it")
+        name = name or _field(cfg, ("_name_or_path", "name_or_path", "model_type")) or ""
+        layers, heads = _field(cfg, LAYER_FIELDS), _field(cfg, HEAD_FIELDS)
+        missing = [what for what, value in (("number of layers", layers), ("number of attention heads", heads))
+                   if value is None]
+        if missing:
+            raise ValueError(f"config {name!r} has no {' and no '.join(missing)} "
+                             f"(looked for {LAYER_FIELDS if layers is None else HEAD_FIELDS}); "
+                             "pass a ModelShape(num_layers=..., num_heads=..., num_kv_heads=..., head_dim=...) instead")
+
+        # Multi-query models say so with a flag instead of a head count (Falcon-7B, GPTBigCode);
+        # Falcon's "new decoder architecture" (40B/180B) uses num_kv_heads instead.
+        if _field(cfg, ("new_decoder_architecture",)):
+            kv_heads = _field(cfg, ("num_kv_heads",))
+        elif _field(cfg, ("multi_query",)):
+            kv_heads = 1
+        elif _field(cfg, ("multi_query_attention",)):  # ChatGLM
+            kv_heads = _field(cfg, ("multi_query_group_num",))
+        else:
+            kv_heads = _field(cfg, KV_HEAD_FIELDS)
+        kv_heads = kv_heads or heads  # plain multi-head attention: every query head has its own K/V
+
+        head_dim = _field(cfg, ("head_dim",))  # Gemma sets it explicitly, and not as hidden/heads
+        if head_dim is None:
+            hidden = _field(cfg, HIDDEN_FIELDS)
+            if hidden is None:
+                raise ValueError(f"config {name!r} has neither head_dim nor a hidden size "
+                                 f"(looked for {HIDDEN_FIELDS}); add head_dim to it")
+            head_dim = hidden // heads
+        return cls(int(layers), int(heads), int(kv_heads), int(head_dim), str(name), num_params)
+
+
+def as_shape(shape_or_cfg: Any) -> ModelShape:
+    """Accept a ModelShape, a config (object or dict), or the name of a model in MODELS."""
+    if isinstance(shape_or_cfg, ModelShape):
+        return shape_or_cfg
+    if isinstance(shape_or_cfg, str):
+        return model_spec(shape_or_cfg)
+    return ModelShape.from_config(shape_or_cfg)
+
+
+def kv_bytes_per_token(shape_or_cfg: Any, dtype: str | torch.dtype = "float16") -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+    s = as_shape(shape_or_cfg)
+    return math.ceil(2 * s.num_layers * s.num_kv_heads * s.head_dim * dtype_bytes(dtype))
+
+
+def kv_cache_bytes(shape_or_cfg: Any, num_tokens: int, dtype: str | torch.dtype = "float16") -> int:
+    """Bytes of KV cache for `num_tokens` tokens (one long sequence or many short ones alike)."""
+    if not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
+    return kv_bytes_per_token(shape_or_cfg, dtype) * num_tokens
+
+
+def weight_bytes(num_params: int, dtype: str | torch.dtype = "float16") -> int:
+    """Bytes to hold the weights: parameters x bytes per parameter."""
+    if not isinstance(num_params, int) or num_params <= 0:
+        raise ValueError(f"num_params must be a positive integer, got {num_params!r}")
+    return math.ceil(num_params * dtype_bytes(dtype))
+
+
+# --- real models and GPUs ------------------------------------------------------------------
+
+# Each entry is the part of the model's published config.json that sizing reads, spelled the
+# way that family spells it, so the table exercises from_config as a real config would.
+MODEL_CONFIGS: dict[str, tuple[dict, int]] = {
+    "llama-2-7b": ({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                    "hidden_size": 4096}, 6_738_415_616),
+    "llama-3-8b": ({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                    "hidden_size": 4096}, 8_030_261_248),
+    "llama-3-70b": ({"num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                     "hidden_size": 8192}, 70_553_706_496),
+    "mistral-7b": ({"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+                    "hidden_size": 4096}, 7_241_732_096),
+    "qwen2.5-7b": ({"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                    "hidden_size": 3584}, 7_615_616_512),
+    "smollm2-135m": ({"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                      "hidden_size": 576}, 134_515_008),
+    "gemma-7b": ({"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16,
+                  "hidden_size": 3072, "head_dim": 256}, 8_537_680_896),
+    "falcon-7b": ({"num_hidden_layers": 32, "num_attention_heads": 71, "hidden_size": 4544,
+                   "multi_query": True, "new_decoder_architecture": False}, 6_921_720_704),
+    "opt-13b": ({"num_hidden_layers": 40, "num_attention_heads": 40, "hidden_size": 5120}, 12_853_473_280),
+    "gpt2": ({"n_layer": 12, "n_head": 12, "n_embd": 768}, 124_439_808),
+}
+
+
+def model_spec(name: str) -> ModelShape:
+    key = name.lower()
+    if key not in MODEL_CONFIGS:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODEL_CONFIGS)} "
+                         "(or pass a config / ModelShape)")
+    cfg, params = MODEL_CONFIGS[key]
+    return ModelShape.from_config(cfg, name=key, num_params=params)
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    bandwidth_gb_s: float  # peak HBM/GDDR bandwidth from the datasheet (GB/s, 1e9)
+    fp16_tflops: float     # dense fp16 tensor-core peak from the datasheet
+
+
+GiB = 1024**3
+GPUS: dict[str, GPU] = {g.name.lower(): g for g in (
+    GPU("T4", 16 * GiB, 320, 65),
+    GPU("RTX-4090", 24 * GiB, 1008, 165),
+    GPU("A100-40GB", 40 * GiB, 1555, 312),
+    GPU("A100-80GB", 80 * GiB, 2039, 312),
+    GPU("H100", 80 * GiB, 3350, 989),
+    GPU("H200", 141 * 10**9, 4800, 989),
+)}
+
+
+def gpu_spec(name: str) -> GPU:
+    key = name.lower().replace("_", "-").replace(" ", "-")
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU {name!r}; known GPUs: {', '.join(g.name for g in GPUS.values())}")
+    return GPUS[key]
+
+
+@dataclass(frozen=True)
+class KVBill:
+    """What one deployment costs in memory: the numbers `python -m minikv size` prints."""
+
+    model: ModelShape
+    context_len: int
+    dtype: str
+    bytes_per_token: int
+    bytes_per_sequence: int
+    weight_bytes: int | None
+    gpu: GPU | None = None
+    kv_budget_bytes: int | None = None   # what is left for the cache after weights and reserve
+    sequences_that_fit: int | None = None
+
+    def __str__(self) -> str:
+        rows = [("model", f"{self.model.name or 'custom'}: {self.model.num_layers} layers, "
+                          f"{self.model.num_heads} heads, {self.model.num_kv_heads} kv heads "
+                          f"[{self.model.attention}], head_dim {self.model.head_dim}"),
+                ("KV per token", f"{fmt_bytes(self.bytes_per_token)} ({self.dtype})"),
+                (f"KV per {self.context_len:,}-token sequence", fmt_bytes(self.bytes_per_sequence))]
+        if self.weight_bytes is not None:
+            rows.append(("weights", fmt_bytes(self.weight_bytes)))
+        if self.gpu is not None:
+            rows += [("GPU", f"{self.gpu.name} ({fmt_bytes(self.gpu.memory_bytes)})"),
+                     ("left for the KV cache", fmt_bytes(max(self.kv_budget_bytes, 0))),
+                     ("sequences that fit", f"{self.sequences_that_fit:,}")]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def max_sequences(shape_or_cfg: Any, gpu: GPU | str, context_len: int, dtype="float16",
+                  weight_dtype="float16", num_params: int | None = None,
+                  reserve_fraction: float = 0.10) -> int:
+    """How many sequences of `context_len` tokens fit beside the weights.
+
+    `reserve_fraction` of the card is kept for activations, the CUDA context and the allocator's
+    slack (vLLM's default gpu_memory_utilization=0.9 makes the same choice)."""
+    return kv_bill(shape_or_cfg, context_len, gpu, dtype, weight_dtype, num_params,
+                   reserve_fraction).sequences_that_fit
+
+
+def kv_bill(shape_or_cfg: Any, context_len: int, gpu: GPU | str | None = None, dtype="float16",
+            weight_dtype="float16", num_params: int | None = None,
+            reserve_fraction: float = 0.10) -> KVBill:
+    shape = as_shape(shape_or_cfg)
+    if not isinstance(context_len, int) or context_len <= 0:
+        raise ValueError(f"context_len must be a positive integer, got {context_len!r}")
+    if not 0 <= reserve_fraction < 1:
+        raise ValueError(f"reserve_fraction must be in [0, 1), got {reserve_fraction!r}")
+    params = num_params or shape.num_params
+    weights = weight_bytes(params, weight_dtype) if params else None
+    per_token = kv_bytes_per_token(shape, dtype)
+    per_seq = per_token * context_len
+    if gpu is None:
+        return KVBill(shape, context_len, str(dtype), per_token, per_seq, weights)
+    gpu = gpu_spec(gpu) if isinstance(gpu, str) else gpu
+    if weights is None:
+        raise ValueError(f"to fit {shape.name or 'this model'} on a GPU the parameter count is needed: "
+                         "pass num_params=")
+    budget = int(gpu.memory_bytes * (1 - reserve_fraction)) - weights
+    return KVBill(shape, context_len, str(dtype), per_token, per_seq, weights, gpu, budget,
+                  max(budget, 0) // per_seq)
+
+
+def fmt_bytes(n: float) -> str:
+    """Human-readable bytes in powers of 1024 (KiB, MiB, GiB), as memory is sold to programs."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024

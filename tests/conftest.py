@@ -1,0 +1,23 @@
+"""Shared fixtures. The real model is loaded once per session (seconds once its conversion is cached)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from minikv.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m", device="cpu")
+    return model, tokenizer
+
+
+@pytest.fixture()
+def tiny_llama():
+    from minikv.models import tiny_random_llama
+
+    return tiny_random_llama(seed=0)
