@@ -151,15 +151,15 @@ def load_model(name: str = SMOLLM2, device: str | torch.device | None = None,
         return model.to(device=device, dtype=dtype), None
 
     if key == SMOLLM2:
-        source, hub_kwargs = smollm2_dir(), {}
+        source = smollm2_dir()
+    elif "/" not in name and not Path(name).exists():
+        raise ModelNotAvailable(f"unknown model name {name!r}: the offline models are {', '.join(OFFLINE_MODELS)}; "
+                                "a Hugging Face Hub id looks like 'org/name' (needs a reachable hub)")
     else:
-        source, hub_kwargs = name, {}
-        if os.environ.get("HF_HUB_OFFLINE") == "1":
-            hub_kwargs["local_files_only"] = True
+        source = name
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=attn_implementation, **hub_kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(source, **hub_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as err:
         if key == SMOLLM2:
             raise
