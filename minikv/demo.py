@@ -41,7 +41,7 @@ def run_demo(model_name: str = "smollm2-135m", prompt: str = "What is a KV cache
     cache = DynamicCache(config=model.config)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=max_tokens, do_sample=False)
+        out = model.generate(ids, cache=cache, max_new_tokens=max_tokens, do_sample=False)
     seconds = time.perf_counter() - t0
     new = out[0, ids.shape[1]:]
     print(f"\nprompt: {prompt}\nanswer: {tokenizer.decode(new, skip_special_tokens=True).strip()}")

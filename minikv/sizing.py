@@ -38,12 +38,17 @@ KV_HEAD_FIELDS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "n_kv_head
 HIDDEN_FIELDS = ("hidden_size", "n_embd", "d_model", "dim")
 
 
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The canonical name of a dtype ("fp16" and torch.float16 are both "float16")."""
+    name = str(dtype).lower().removeprefix("torch.")
+    return DTYPE_ALIASES.get(name, name)
+
+
 def dtype_bytes(dtype: str | torch.dtype) -> float:
     """Bytes per element of a dtype given by name ("fp16", "bfloat16", "fp8") or torch dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype.itemsize
-    name = str(dtype).lower().removeprefix("torch.")
-    name = DTYPE_ALIASES.get(name, name)
+    name = dtype_name(dtype)
     if name not in DTYPE_BYTES:
         known = ", ".join(sorted(set(DTYPE_BYTES) | set(DTYPE_ALIASES)))
         raise ValueError(f"unknown dtype {dtype!r}; use one of: {known}")
@@ -197,13 +202,15 @@ class GPU:
 
 
 GiB = 1024**3
+# Datasheet sizes ("80 GB") are read as GiB, which is close to what nvidia-smi reports
+# (an H200 shows about 140 GiB of its "141 GB").
 GPUS: dict[str, GPU] = {g.name.lower(): g for g in (
     GPU("T4", 16 * GiB, 320, 65),
     GPU("RTX-4090", 24 * GiB, 1008, 165),
     GPU("A100-40GB", 40 * GiB, 1555, 312),
     GPU("A100-80GB", 80 * GiB, 2039, 312),
     GPU("H100", 80 * GiB, 3350, 989),
-    GPU("H200", 141 * 10**9, 4800, 989),
+    GPU("H200", 141 * GiB, 4800, 989),
 )}
 
 
@@ -237,9 +244,14 @@ class KVBill:
         if self.weight_bytes is not None:
             rows.append(("weights", fmt_bytes(self.weight_bytes)))
         if self.gpu is not None:
-            rows += [("GPU", f"{self.gpu.name} ({fmt_bytes(self.gpu.memory_bytes)})"),
-                     ("left for the KV cache", fmt_bytes(max(self.kv_budget_bytes, 0))),
-                     ("sequences that fit", f"{self.sequences_that_fit:,}")]
+            rows.append(("GPU", f"{self.gpu.name} ({fmt_bytes(self.gpu.memory_bytes)})"))
+            if self.kv_budget_bytes <= 0:
+                usable = self.kv_budget_bytes + self.weight_bytes
+                rows.append(("sequences that fit", f"0: the weights alone exceed the usable "
+                                                   f"{fmt_bytes(usable)} of the card"))
+            else:
+                rows += [("left for the KV cache", fmt_bytes(self.kv_budget_bytes)),
+                         ("sequences that fit", f"{self.sequences_that_fit:,}")]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -268,13 +280,13 @@ def kv_bill(shape_or_cfg: Any, context_len: int, gpu: GPU | str | None = None, d
     per_token = kv_bytes_per_token(shape, dtype)
     per_seq = per_token * context_len
     if gpu is None:
-        return KVBill(shape, context_len, str(dtype), per_token, per_seq, weights)
+        return KVBill(shape, context_len, dtype_name(dtype), per_token, per_seq, weights)
     gpu = gpu_spec(gpu) if isinstance(gpu, str) else gpu
     if weights is None:
         raise ValueError(f"to fit {shape.name or 'this model'} on a GPU the parameter count is needed: "
                          "pass num_params=")
     budget = int(gpu.memory_bytes * (1 - reserve_fraction)) - weights
-    return KVBill(shape, context_len, str(dtype), per_token, per_seq, weights, gpu, budget,
+    return KVBill(shape, context_len, dtype_name(dtype), per_token, per_seq, weights, gpu, budget,
                   max(budget, 0) // per_seq)
 
 
