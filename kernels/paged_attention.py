@@ -1,0 +1,249 @@
+"""A Triton paged-attention decode kernel: attention that reads K/V through a block table.
+
+Same calling convention and answer as ``minikv.attention.paged_attention_ref`` (COURSE.md §4),
+but as one GPU pass that never builds a contiguous copy of anybody's K/V. Decode attention
+does almost no arithmetic per byte (each cached K/V element is used by a handful of query
+heads, once), so its speed is set by how fast the cache can be read. Every design choice below
+serves one goal: read each cached byte once, in large enough pieces, with every SM busy.
+
+* One program per (sequence, KV head) handles *all* query heads that share that KV head, so
+  under GQA/MQA each K/V byte is loaded once, not once per query head.
+* The program walks the sequence one block at a time, looking up the physical block in the
+  block table: this indirection is all that paging adds to ordinary attention.
+* Online softmax: a running max and sum let each block be folded in and forgotten, so the
+  scores of a 32k-token context never need to exist at once.
+* Split-KV ("flash-decoding"): with few sequences, (sequence, KV head) pairs alone cannot fill
+  the GPU; then the context is cut into chunks, each a program of its own, and a second small
+  kernel merges their partial results.
+
+Without a CUDA GPU the module switches Triton to its interpreter (numpy on the CPU) so the same
+kernel can be run and checked anywhere. The interpreter is for correctness, never for timing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Must happen before the kernels below are decorated: @triton.jit reads this switch then.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402  (import after choosing interpreter mode, on purpose)
+import triton.language as tl  # noqa: E402
+
+from minikv.attention import check_paged_attention_inputs  # noqa: E402
+
+LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is the cheaper instruction
+MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed costs outweigh the parallelism it adds
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    scale_log2e, num_splits, blocks_per_split,
+    stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_ts, stride_tb,
+    stride_os, stride_oh, stride_od,
+    BLOCK_SIZE: tl.constexpr, BLOCK_SIZE_PAD: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    # This split's share of the sequence, in blocks. The loop bound comes from seq_len, so table
+    # entries past the sequence's last block are never even loaded: they may hold garbage.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
+    first_block = split * blocks_per_split
+    end_block = tl.minimum(first_block + blocks_per_split, num_blocks)
+
+    # tl.arange only makes power-of-two ranges, so the head group (3 under a 24:8 GQA model),
+    # the head dim (80 for some models) and the block size are padded up and masked.
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    t = tl.arange(0, BLOCK_SIZE_PAD)
+    head_ok = g < GROUP
+    dim_ok = d < HEAD_DIM
+    heads = kv_head * GROUP + g  # the query heads that read this KV head
+
+    # The group's queries, [GROUP_PAD, HEAD_DIM_PAD], in fp32. Folding scale*log2(e) in here once
+    # lets the softmax below use exp2 without rescaling every score.
+    q = tl.load(query_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = q.to(tl.float32) * scale_log2e
+
+    # Online-softmax state, one row per query head, all fp32: in fp16 a sum over thousands of
+    # tokens would lose precision and exp of large scores would overflow.
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores seen
+    l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)  # running sum of exp2(score - m) * v
+
+    for b in range(first_block, end_block):
+        # The paging indirection: logical block b of this sequence lives in physical block
+        # `physical`. int64 before multiplying: physical * stride_kb passes 2**31 elements
+        # once the pool is a few GB, and an int32 product would silently wrap around.
+        physical = tl.load(block_tables_ptr + seq * stride_ts + b * stride_tb).to(tl.int64)
+        # Only the last block can be partial; padding slots (t >= BLOCK_SIZE) are never valid.
+        tok_ok = (t < BLOCK_SIZE) & (b * BLOCK_SIZE + t < seq_len)
+        kv_mask = tok_ok[:, None] & dim_ok[None, :]
+        k = tl.load(key_cache_ptr + physical * stride_kb + t[:, None] * stride_kt
+                    + kv_head * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + physical * stride_vb + t[:, None] * stride_vt
+                    + kv_head * stride_vh + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+
+        # Scores for every (query head, token) pair: [GROUP_PAD, BLOCK_SIZE_PAD]. A broadcast
+        # multiply and sum rather than tl.dot, which needs every side >= 16; a group of 1-8
+        # heads does not have that, and decode is bound by reading K/V, not by this arithmetic.
+        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        s = tl.where(tok_ok[None, :], s, float("-inf"))  # masked tokens get zero weight
+
+        # Fold the block in. Every block visited holds at least one real token, so m_new is
+        # finite; on the first block exp2(-inf - m_new) = 0 wipes the empty initial state.
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)  # rescales what was summed under the old max
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m = m_new
+
+    out_mask = head_ok[:, None] & dim_ok[None, :]
+    if SPLIT_KV:
+        # Hand the partial state to the combine kernel, unnormalised. A split that lies wholly
+        # past this sequence's end writes m = -inf, l = 0, acc = 0, which the combine ignores.
+        row = (seq * num_heads + heads) * num_splits + split  # [seq, head, split] in the buffers
+        tl.store(part_max_ptr + row, m, mask=head_ok)
+        tl.store(part_sum_ptr + row, l, mask=head_ok)
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+    else:
+        out = acc / l[:, None]  # l >= 1: the max term contributes exp2(0)
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, num_splits,
+    stride_os, stride_oh, stride_od,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    # One program per (sequence, query head). Each split computed its softmax against its own
+    # max; rescaling split i by exp2(m_i - m) puts them all on the common max m, after which sums
+    # and accumulators simply add: the same algebra as one step of the online softmax.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    rows = (seq * tl.num_programs(1) + head) * num_splits + tl.arange(0, SPLITS_PAD)
+    split_ok = tl.arange(0, SPLITS_PAD) < num_splits
+    d = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = d < HEAD_DIM
+
+    m_i = tl.load(part_max_ptr + rows, mask=split_ok, other=float("-inf"))
+    l_i = tl.load(part_sum_ptr + rows, mask=split_ok, other=0.0)
+    acc_i = tl.load(part_acc_ptr + rows[:, None] * HEAD_DIM + d[None, :],
+                    mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+    m = tl.max(m_i, axis=0)  # finite: seq_len >= 1, so some split saw a token
+    # Empty splits (m_i = -inf) get weight exactly 0; the where() keeps any -inf - -inf = NaN out.
+    w = tl.where(m_i > float("-inf"), tl.exp2(m_i - m), 0.0)
+    out = tl.sum(w[:, None] * acc_i, axis=0) / tl.sum(w * l_i, axis=0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+# What @triton.jit actually chose above: a compiled JITFunction, or the interpreter's stand-in.
+INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.jit.JITFunction)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int, block_size: int,
+                      num_sms: int) -> int:
+    """How many chunks to cut each context into so that the GPU has enough programs to run.
+
+    Without splitting there are num_seqs * num_kv_heads programs. If that already covers the
+    SMs, or the context is short, splitting only adds a second launch: use 1. Otherwise aim for
+    about two programs per SM, but give each split at least MIN_TOKENS_PER_SPLIT tokens.
+    The context length used is the table's capacity, known from shapes alone: reading the real
+    lengths back from the GPU would stall the CPU on every decode step.
+    """
+    programs = num_seqs * num_kv_heads
+    max_context = max_blocks_per_seq * block_size
+    if programs >= num_sms or max_context < 2 * MIN_TOKENS_PER_SPLIT:
+        return 1
+    wanted = -(-2 * num_sms // programs)
+    return max(1, min(wanted, max_context // MIN_TOKENS_PER_SPLIT, max_blocks_per_seq, MAX_SPLITS))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    check_inputs: bool = True,
+) -> torch.Tensor:
+    """Paged attention for one decode step; shapes as in ``minikv.attention`` (COURSE.md §4).
+
+    ``num_splits=None`` picks split-KV by ``choose_num_splits`` on a GPU and 1 under the
+    interpreter; an explicit number forces it (tests use that to run both paths anywhere).
+    ``check_inputs=False`` skips the checks that read ``seq_lens`` back to the host.
+    """
+    check_paged_attention_inputs(query, key_cache, value_cache, block_tables, seq_lens, check_values=check_inputs)
+    if INTERPRETED and torch.bfloat16 in (query.dtype, key_cache.dtype):
+        raise ValueError("Triton's CPU interpreter has no bfloat16: use float16 or float32 on the CPU "
+                         "(bfloat16 works with the compiled kernel on a GPU)")
+    if not INTERPRETED and not query.is_cuda:
+        raise ValueError("the compiled kernel needs CUDA tensors; for CPU tensors use minikv.attention."
+                         "paged_attention_ref, or run with TRITON_INTERPRET=1 set before importing this module")
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    max_blocks = block_tables.shape[1]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+
+    if num_splits is None:
+        num_splits = 1 if INTERPRETED else choose_num_splits(
+            num_seqs, num_kv_heads, max_blocks, block_size,
+            torch.cuda.get_device_properties(query.device).multi_processor_count)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1; got {num_splits}")
+    blocks_per_split = triton.cdiv(max_blocks, num_splits)
+    num_splits = triton.cdiv(max_blocks, blocks_per_split)  # drop splits past every table's end
+
+    if num_splits > 1:
+        part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
+    else:
+        part_max = part_sum = part_acc = out  # placeholders: the unsplit kernel never touches them
+
+    group = num_heads // num_kv_heads
+    pow2 = triton.next_power_of_2
+    _paged_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out, part_max, part_sum, part_acc,
+        query, key_cache, value_cache, block_tables, seq_lens,
+        scale * LOG2E, num_splits, blocks_per_split,
+        *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(), *out.stride(),
+        BLOCK_SIZE=block_size, BLOCK_SIZE_PAD=pow2(block_size),
+        GROUP=group, GROUP_PAD=pow2(group),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim),
+        SPLIT_KV=num_splits > 1,
+        # The [group, block, head_dim] score product lives in registers: give big tiles more warps.
+        num_warps=8 if pow2(group) * pow2(block_size) * pow2(head_dim) > 8192 else 4,
+    )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_seqs, num_heads)](
+            out, part_max, part_sum, part_acc, num_splits, *out.stride(),
+            SPLITS_PAD=pow2(num_splits), HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim),
+        )
+    return out
