@@ -61,6 +61,7 @@ from typing import Protocol
 import numpy as np
 from tqdm.auto import tqdm
 
+from minikv.blocks import BlockAllocator, BlockTable
 from minikv.traces import Request
 
 OPT13B_BYTES_PER_TOKEN = 2 * 40 * 5120 * 2  # K and V, 40 layers, hidden 5120, fp16: 800 KiB
@@ -215,7 +216,7 @@ class ContiguousPow2(_Slabs):
 
 
 class Paged:
-    """Fixed-size blocks from a free list; a sequence holds ceil(live / block_size) blocks."""
+    """Fixed-size blocks on demand: stage 3's own BlockAllocator and BlockTable, one table per sequence."""
 
     def __init__(self, block_size: int = 16):
         if block_size < 1:
@@ -225,9 +226,11 @@ class Paged:
 
     def reset(self, budget: int, max_seq_len: int) -> None:
         self.budget, self.num_blocks = budget, budget // self.block_size
-        # FIFO reuse, as a real free list drifts: blocks of one sequence end up scattered.
-        self.free: deque[int] = deque(range(self.num_blocks))
-        self.table: dict[int, list[int]] = {}
+        # The allocator's FIFO free list reuses the block freed longest ago, so as sequences come
+        # and go one sequence's blocks end up scattered, as in a real pool.
+        # (A budget smaller than one block has no pool at all: refuse() turns every request away.)
+        self.allocator = BlockAllocator(self.num_blocks) if self.num_blocks else None
+        self.tables: dict[int, BlockTable] = {}
         self.counters: dict[str, int] = {}
 
     def refuse(self, req: Request) -> str | None:
@@ -239,37 +242,40 @@ class Paged:
     def need(self, seq: Seq) -> int:
         return -(-seq.live // self.block_size) * self.block_size
 
-    def admit(self, seq: Seq) -> bool:
-        n = -(-seq.live // self.block_size)
-        if n > len(self.free):
+    def _append(self, table: BlockTable, tokens: int) -> bool:
+        if table.blocks_needed(tokens) > self.allocator.num_free:
             return False
-        self.table[seq.id] = [self.free.popleft() for _ in range(n)]
+        table.append_tokens(tokens)
+        return True
+
+    def admit(self, seq: Seq) -> bool:
+        table = BlockTable(self.block_size, self.allocator)
+        if not self._append(table, seq.live):
+            return False
+        self.tables[seq.id] = table
         return True
 
     def grow(self, seq: Seq) -> bool:
-        blocks = self.table[seq.id]
-        if seq.live + 1 <= len(blocks) * self.block_size:
-            return True
-        if not self.free:
-            return False
-        blocks.append(self.free.popleft())
-        return True
+        # The simulator asks only when the sequence's blocks are full, so the table first catches
+        # up with the tokens written into its last block since, then takes room for one more.
+        table = self.tables[seq.id]
+        return self._append(table, seq.live + 1 - table.num_tokens)
 
     def release(self, seq: Seq) -> None:
-        self.free.extend(self.table.pop(seq.id))
+        self.tables.pop(seq.id).free()
 
     def capacity(self, seq: Seq) -> int:
-        return len(self.table[seq.id]) * self.block_size
+        return len(self.tables[seq.id]) * self.block_size
 
     def slots(self, seq: Seq, start: int = 0) -> list[tuple[int, int, int]]:
         bs, first = self.block_size, start // self.block_size
-        return [(b * bs, bs, i * bs) for i, b in enumerate(self.table[seq.id][first:], first)]
+        return [(b * bs, bs, i * bs) for i, b in enumerate(self.tables[seq.id].blocks[first:], first)]
 
     def free_tokens(self) -> int:  # the budget's tail past the last whole block is never usable
-        return len(self.free) * self.block_size + self.budget % self.block_size
+        return self.usable_free() + self.budget % self.block_size
 
     def usable_free(self) -> int:
-        return len(self.free) * self.block_size
+        return self.allocator.num_free * self.block_size if self.allocator else 0
 
 
 @dataclass(frozen=True)
