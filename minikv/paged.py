@@ -88,10 +88,14 @@ class PagedKVCache(Cache):
     """
 
     def __init__(self, config, num_blocks: int, block_size: int = 16,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None, *,
+                 allocator: BlockAllocator | None = None, table_cls: type[BlockTable] = BlockTable):
+        """``allocator`` and ``table_cls`` swap in another block allocator and block table with the
+        same interface (exercise 03 runs a learner's own through a real model this way)."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        self.allocator = BlockAllocator(num_blocks)  # checks num_blocks >= 1
+        self.allocator = allocator if allocator is not None else BlockAllocator(num_blocks)  # checks num_blocks >= 1
+        self.table_cls = table_cls
         self.num_blocks, self.block_size = num_blocks, block_size
         self.shape = cache_shape(config)
         self.tables: list[BlockTable] = []  # one per batch row, created at the first step
@@ -129,7 +133,7 @@ class PagedKVCache(Cache):
 
     def _reserve_slots(self, rows: int, new: int) -> None:
         if all(t.num_tokens == 0 for t in self.tables):  # a new batch (or a first step that failed)
-            self.tables = [BlockTable(self.block_size, self.allocator) for _ in range(rows)]
+            self.tables = [self.table_cls(self.block_size, self.allocator) for _ in range(rows)]
         if rows != len(self.tables):
             raise ValueError(f"the batch changed from {len(self.tables)} to {rows} sequences mid-generation; "
                              "call cache.reset() before starting a new batch")
