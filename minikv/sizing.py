@@ -235,7 +235,8 @@ class KVBill:
     kv_budget_bytes: int | None = None   # what is left for the cache after weights and reserve
     sequences_that_fit: int | None = None
 
-    def __str__(self) -> str:
+    def rows(self) -> list[tuple[str, str]]:
+        """The bill as (label, value) rows, for printing beside other rows."""
         rows = [("model", f"{self.model.name or 'custom'}: {self.model.num_layers} layers, "
                           f"{self.model.num_heads} heads, {self.model.num_kv_heads} kv heads "
                           f"[{self.model.attention}], head_dim {self.model.head_dim}"),
@@ -252,8 +253,10 @@ class KVBill:
             else:
                 rows += [("left for the KV cache", fmt_bytes(self.kv_budget_bytes)),
                          ("sequences that fit", f"{self.sequences_that_fit:,}")]
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+        return rows
+
+    def __str__(self) -> str:
+        return format_rows(self.rows())
 
 
 def max_sequences(shape_or_cfg: Any, gpu: GPU | str, context_len: int, dtype="float16",
@@ -288,6 +291,11 @@ def kv_bill(shape_or_cfg: Any, context_len: int, gpu: GPU | str | None = None, d
     budget = int(gpu.memory_bytes * (1 - reserve_fraction)) - weights
     return KVBill(shape, context_len, dtype_name(dtype), per_token, per_seq, weights, gpu, budget,
                   max(budget, 0) // per_seq)
+
+
+def format_rows(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def fmt_bytes(n: float) -> str:
