@@ -107,6 +107,34 @@ class Policy(Protocol):
     def usable_free(self) -> int: ...  # of which a new request could use
 
 
+def first_fit(slabs: list[tuple[int, int]], size: int, budget: int) -> int | None:
+    """The lowest offset in [0, budget) where ``size`` tokens fit between the ``(offset, size)``
+    slabs (any order, not overlapping), or None when no hole is big enough."""
+    end = 0  # end of the previous slab: the hole runs from here to the next slab
+    for off, sz in sorted(slabs):
+        if off - end >= size:
+            return end
+        end = off + sz
+    return end if budget - end >= size else None
+
+
+def slab_waste(size: int, live: int, final: int) -> tuple[int, int, int]:
+    """Split a held slot of ``size`` tokens into (live, reserved, internal) tokens, for a
+    sequence with ``live`` tokens in it now that will end with ``final``: reserved is what
+    it will still fill, internal what it never will. For a block holding the sequence's tokens
+    from ``first`` on, pass ``live - first`` and ``final - first``."""
+    live, used = min(max(live, 0), size), min(max(final, 0), size)
+    return live, used - live, size - used
+
+
+def external_tokens(policy: Policy, blocked: Seq | None) -> int:
+    """Free memory stranded by where it lies: all free memory when the head of the queue
+    (``blocked``) was refused although the total free memory would hold it, else 0."""
+    if blocked is not None and policy.need(blocked) <= policy.usable_free():
+        return policy.free_tokens()
+    return 0
+
+
 class _Slabs:
     """One contiguous slab per sequence, placed first-fit in [0, budget)."""
 
@@ -127,14 +155,7 @@ class _Slabs:
         return None
 
     def _first_fit(self, size: int, skip: int | None = None) -> int | None:
-        end = 0  # end of the previous slab: the hole runs from here to the next slab
-        for sid, (off, sz) in sorted(self.slab.items(), key=lambda kv: kv[1][0]):
-            if sid == skip:
-                continue
-            if off - end >= size:
-                return end
-            end = off + sz
-        return end if self.budget - end >= size else None
+        return first_fit([s for sid, s in self.slab.items() if sid != skip], size, self.budget)
 
     def need(self, seq: Seq) -> int:
         return self.slab_size(seq)
@@ -347,9 +368,8 @@ class SimResult:
         for i in idx:
             size, first = int(e["size"][i]), int(e["first"][i])
             live_seq = int(e["live0"][i] + step - e["res_start"][i])
-            live = min(max(live_seq - first, 0), size)
-            used = min(max(int(e["final"][i]) - first, 0), size)
-            segs.append(Segment(int(e["seq"][i]), int(e["offset"][i]), size, live, used - live, size - used))
+            parts = slab_waste(size, live_seq - first, int(e["final"][i]) - first)
+            segs.append(Segment(int(e["seq"][i]), int(e["offset"][i]), size, *parts))
         return sorted(segs, key=lambda s: s.offset)
 
 
@@ -442,7 +462,7 @@ def simulate(trace: list[Request], policy: Policy, budget_tokens: int | None = N
             live, held = live + s.live, held + s.cap
             will_use += s.cap if s.cap < s.final else s.final
         free = policy.free_tokens()  # from the allocator's books, not from `held`
-        external = free if blocked is not None and policy.need(blocked) <= policy.usable_free() else 0
+        external = external_tokens(policy, blocked)
         parts = (live, will_use - live, held - will_use, external, free - external)
         assert sum(parts) == budget, f"step {t}: {dict(zip(PARTS, parts))} != budget {budget}"
         assert all(0 < s.live <= s.cap for s in running), f"step {t}: a sequence overflows its memory"
