@@ -12,7 +12,7 @@ export MPLBACKEND = Agg
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install demo test test-fast lab exercises clean
+.PHONY: install demo test test-fast lab exercises size bench-memory bench-kernel grade clean
 
 install: $(STAMP)
 
@@ -48,6 +48,23 @@ lab: $(STAMP)
 
 exercises: $(STAMP)
 	$(BIN)/python -m minikv exercises
+
+# The other commands of `python -m minikv`, e.g. `make size MODEL=llama-3-8b CONTEXT=8192 GPU=H100`.
+MODEL ?= llama-2-7b
+CONTEXT ?= 2000
+GPU ?= A100-80GB
+size: $(STAMP)
+	$(BIN)/python -m minikv size $(MODEL) --context $(CONTEXT) --gpu $(GPU)
+
+bench-memory: $(STAMP)
+	$(BIN)/python -m minikv bench memory
+
+bench-kernel: $(STAMP)
+	$(BIN)/python -m minikv bench kernel
+
+NB ?= exercises/01_bytes.ipynb
+grade: $(STAMP)
+	$(BIN)/python -m minikv grade $(NB)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
