@@ -152,11 +152,19 @@ def load_model(name: str = SMOLLM2, device: str | torch.device | None = None,
 
     if key == SMOLLM2:
         source = smollm2_dir()
+        # A cached local folder loads in a second: its per-tensor progress bar would only clutter
+        # notebooks (the one-time GGUF conversion above keeps its bar).
+        quiet = True
     elif "/" not in name and not Path(name).exists():
         raise ModelNotAvailable(f"unknown model name {name!r}: the offline models are {', '.join(OFFLINE_MODELS)}; "
                                 "a Hugging Face Hub id looks like 'org/name' (needs a reachable hub)")
     else:
-        source = name
+        source, quiet = name, False
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
         tokenizer = AutoTokenizer.from_pretrained(source)
@@ -167,4 +175,7 @@ def load_model(name: str = SMOLLM2, device: str | torch.device | None = None,
             f"could not load {name!r} from the Hugging Face Hub ({type(err).__name__}: {err}). "
             f"Without a hub, use one of the offline models: {', '.join(OFFLINE_MODELS)}."
         ) from err
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
     return model.to(device).eval(), tokenizer
