@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import importlib
+import linecache
+import os
 import re
 import traceback
 from dataclasses import dataclass
@@ -126,22 +128,32 @@ def _python_only(source: str) -> str:
 
 def grade_notebook(path: str | Path, quiet: bool = False) -> list[CheckResult]:
     """Run a notebook's code cells in a fresh namespace (a failing cell is reported, not fatal),
-    then its exercise's checks."""
+    then its exercise's checks. Environment variables the notebook sets (exercise 04 sets
+    TRITON_INTERPRET) are restored afterwards, so grading leaves this process as it found it."""
     import matplotlib
 
     matplotlib.use("Agg")  # no windows when grading from a terminal
     nb = nbformat.read(str(path), as_version=4)
     exercise = exercise_id(nb)
     ns: dict = {"__name__": "__main__"}
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "code" or is_grading_cell(cell):
-            continue
-        try:
-            exec(compile(_python_only(cell.source), f"{Path(path).name}[cell {i}]", "exec"), ns)
-        except Exception as err:
-            if not quiet:
-                print(f"note: cell {i} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
-    return grade(exercise, ns, quiet=quiet)
+    saved_env = dict(os.environ)
+    try:
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type != "code" or is_grading_cell(cell):
+                continue
+            source, filename = _python_only(cell.source), f"<{Path(path).name} cell {i}>"
+            # Register the cell's source as IPython does, so `inspect` (and Triton's interpreter,
+            # which re-reads a kernel's source) and tracebacks find the code that actually ran.
+            linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+            try:
+                exec(compile(source, filename, "exec"), ns)
+            except Exception as err:
+                if not quiet:
+                    print(f"note: cell {i} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        return grade(exercise, ns, quiet=quiet)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
 
 
 def strip_solutions(source: str) -> str:
