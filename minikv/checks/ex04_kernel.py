@@ -1,0 +1,233 @@
+"""Checks for exercise 04 (kernel): the inner loop of the learner's Triton paged-attention kernel.
+
+The learner's notebook defines `paged_attention_kernel` (a `@triton.jit` function whose block loop
+they write) and `exercise_paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
+scale)`, which launches it. Every check runs it under Triton's interpreter on small CPU tensors and
+compares it with `minikv.attention.paged_attention_ref` on shapes that hypothesis draws
+(derandomized, no shrinking: a failing kernel costs the interpreter real time per example). Each
+failure names the shape and the largest error.
+
+The inputs are laid out like a busy pool, and hostile where a real one may be: every slot a sequence
+does not own holds NaN (past its length in its last block, the blocks its table's tail points at,
+two blocks past the end of the pool), as uninitialised GPU memory may. A kernel that reads any of
+them without masking returns NaN, and the check says so. One rule cannot be seen on small inputs,
+the int64 block number (an int32 offset wraps only in a pool of 2**31 elements), so the last check
+looks for it in the kernel's code.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+from hypothesis import Phase, given, settings, strategies as st
+
+from minikv.attention import PagedInputs, paged_attention_ref, random_paged_inputs
+from minikv.grading import NotImplementedYet, call, learner
+
+# Few examples, no shrinking: each example is a kernel launch under the interpreter (~0.1 s).
+SOME = settings(max_examples=10, deadline=None, database=None, derandomize=True,
+                phases=(Phase.explicit, Phase.generate))
+# |kernel - reference| <= ATOL + RTOL * |reference|. float32: only the summation order differs.
+# float16: both accumulate in fp32 and round once to fp16 at the end (one ulp: ~1e-3 here).
+TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 4e-3)}
+
+
+class Case:
+    """One decode batch with its shape spelled out for failure messages."""
+
+    def __init__(self, lengths, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32,
+                 spare=1, seed=0):
+        self.lengths, self.num_heads, self.num_kv_heads = list(lengths), num_heads, num_kv_heads
+        self.head_dim, self.block_size, self.dtype = head_dim, block_size, dtype
+        self.inputs = poisoned_inputs(self.lengths, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                                      spare, seed)
+        self.scale = head_dim**-0.5
+
+    def __str__(self) -> str:
+        return (f"{len(self.lengths)} seqs, {self.num_heads} heads / {self.num_kv_heads} kv heads, "
+                f"head_dim {self.head_dim}, block_size {self.block_size}, lengths {self.lengths}, "
+                f"{str(self.dtype).removeprefix('torch.')}")
+
+
+def poisoned_inputs(lengths, num_heads, num_kv_heads, head_dim, block_size, dtype, spare, seed) -> PagedInputs:
+    """`random_paged_inputs`, with NaN wherever a correct kernel must not look.
+
+    random_paged_inputs leaves one block of the pool unowned and fills table tails with numbers
+    outside the pool (-1, 2**31-1): a learner's kernel that followed those would read far outside
+    memory and could crash the whole grading process instead of failing one check. Here the tails
+    point at NaN blocks inside the pool instead, so the same mistake shows up as NaN in the output.
+    """
+    x = random_paged_inputs(lengths, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                            block_size=block_size, dtype=torch.float32, spare_table_entries=spare, seed=seed)
+    num_blocks = x.key_cache.shape[0]
+    # Two NaN blocks past the end of the pool: table tails point at the first, and a padded tile that
+    # overruns the last block of the pool (or the first NaN block) still reads memory of this tensor.
+    nan_blocks = torch.full((2, *x.key_cache.shape[1:]), float("nan"))
+    key_cache, value_cache = torch.cat([x.key_cache, nan_blocks]), torch.cat([x.value_cache, nan_blocks])
+    tables = x.block_tables.clone()
+    blocks_used = [-(-n // block_size) for n in lengths]
+    owned = torch.zeros(num_blocks + 2, dtype=torch.bool)
+    for row, used in enumerate(blocks_used):
+        owned[tables[row, :used].long()] = True
+    unowned = int((~owned[:num_blocks]).nonzero()[0, 0])  # random_paged_inputs leaves one such block
+    for row, (n, used) in enumerate(zip(lengths, blocks_used)):
+        # Slots past the sequence's length in its last block: stale, maybe never written.
+        last, filled = int(tables[row, used - 1]), n - (used - 1) * block_size
+        key_cache[last, filled:] = value_cache[last, filled:] = float("nan")
+        # Table entries past the last block: garbage, here pointing at the NaN blocks.
+        tail = tables.shape[1] - used
+        tables[row, used:] = torch.tensor([num_blocks, unowned] * tail, dtype=tables.dtype)[:tail]
+    key_cache[~owned] = value_cache[~owned] = float("nan")
+    return PagedInputs(x.query.to(dtype), key_cache.to(dtype), value_cache.to(dtype), tables.int(), x.seq_lens)
+
+
+def _kernel_runs_as_written(ns: dict) -> None:
+    """The checks run the kernel on CPU tensors: it must have been defined under the interpreter."""
+    kernel = ns.get("paged_attention_kernel")
+    if kernel is None:
+        return  # the wrapper may launch a kernel of another name; nothing to prepare
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(kernel, JITFunction):
+        raise AssertionError("the kernel was compiled for the GPU, not interpreted: the checks run it on CPU "
+                             "tensors. Restart the runtime and run the notebook from the top (its first cell sets "
+                             "TRITON_INTERPRET=1 before triton defines the kernel)")
+
+
+def run(ns: dict, case: Case) -> torch.Tensor:
+    """The learner's `exercise_paged_attention` on `case`; errors become one-line verdicts."""
+    wrapper = learner(ns, "exercise_paged_attention")
+    _kernel_runs_as_written(ns)
+    try:
+        # A kernel that reads NaN slots makes numpy warn from inside the interpreter; the verdict says it better.
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return call(wrapper, *case.inputs, case.scale)
+    except NotImplementedYet:
+        raise
+    except Exception as err:
+        # The interpreter wraps whatever the kernel raised in an InterpreterError; report the cause.
+        root = err
+        while root.__cause__ is not None:
+            root = root.__cause__
+        if isinstance(root, NotImplementedError):
+            raise NotImplementedYet(str(root) or "not implemented yet") from None
+        first_line = (str(root).splitlines() or [""])[0][:200]
+        raise AssertionError(f"the kernel raised {type(root).__name__}: {first_line} [{case}]") from None
+
+
+def compare(ns: dict, case: Case, advice: str = "") -> None:
+    got = run(ns, case)
+    want = paged_attention_ref(*case.inputs, case.scale)  # never reads a NaN slot
+    assert isinstance(got, torch.Tensor) and got.shape == want.shape, (
+        f"exercise_paged_attention returned {type(got).__name__} "
+        f"{tuple(got.shape) if isinstance(got, torch.Tensor) else ''}, expected shape {tuple(want.shape)} [{case}]")
+    got, want = got.float(), want.float()
+    if not torch.isfinite(got).all():
+        seq = int((~torch.isfinite(got)).any(dim=(1, 2)).nonzero()[0, 0])
+        raise AssertionError(
+            f"NaN in the output (sequence {seq}, length {case.lengths[seq]}) on {case}: the kernel used a slot that "
+            f"holds no token of that sequence, and here every such slot holds NaN, as unwritten memory may "
+            f"(past seq_len in the last block, past BLOCK_SIZE in a padded tile, in blocks the table's tail points to)")
+    atol, rtol = TOLERANCE[case.dtype]
+    err = (got - want).abs()
+    bad = err > atol + rtol * want.abs()
+    if bad.any():
+        seq = int(bad.any(dim=(1, 2)).nonzero()[0, 0])
+        raise AssertionError(f"max error {err.max().item():.3g} (tolerance {atol:g} + {rtol:g} x |reference|) on "
+                             f"{case}, first in sequence {seq} (length {case.lengths[seq]})"
+                             + (f". This check adds: {advice}" if advice else ""))
+
+
+def _hypothesis(strategy, check) -> None:
+    """Run `check(case)` on each case hypothesis draws (see SOME)."""
+    SOME(given(strategy)(check))()
+
+
+# --- strategies: small shapes, since the interpreter runs every program in Python ----------------
+
+def cases(*, lengths, groups=(1,), kv_heads=(1, 2), head_dims=(16, 32), block_sizes=(4, 8, 16),
+          dtype=torch.float32, spare=1):
+    """Cases whose lengths come from `lengths(block_size)`, a strategy for a list of ints."""
+    @st.composite
+    def draw_case(draw):
+        block_size = draw(st.sampled_from(block_sizes))
+        kv, group = draw(st.sampled_from(kv_heads)), draw(st.sampled_from(groups))
+        return Case(draw(lengths(block_size)), kv * group, kv, draw(st.sampled_from(head_dims)), block_size,
+                    dtype, spare, draw(st.integers(0, 10_000)))
+    return draw_case()
+
+
+def _not_multiple(block_size):
+    return st.integers(1, 3 * block_size).filter(lambda n: n % block_size)
+
+
+# --- the checks ------------------------------------------------------------------------------------
+
+def check_one_full_block(ns):
+    compare(ns, Case([4], 2, 2, 16, 4))
+    _hypothesis(cases(lengths=lambda bs: st.just([bs]), groups=(1, 2)), lambda case: compare(ns, case))
+
+
+def check_partial_last_block(ns):
+    advice = ("lengths that are not a multiple of BLOCK_SIZE: slots past seq_len in the last block must be masked "
+              "out of the loads and get score -inf")
+    compare(ns, Case([5], 2, 2, 16, 4), advice)
+    _hypothesis(cases(lengths=lambda bs: st.lists(_not_multiple(bs), min_size=1, max_size=2)),
+                lambda case: compare(ns, case, advice))
+
+
+def check_many_scattered_blocks_garbage_past_the_end(ns):
+    advice = ("many blocks scattered over the pool: logical block b is physical block block_tables[seq, b], and "
+              "table entries past ceil(seq_len / BLOCK_SIZE) are garbage")
+    compare(ns, Case([17, 3], 2, 1, 16, 4, spare=3), advice)
+    _hypothesis(cases(lengths=lambda bs: st.lists(st.integers(1, 6 * bs), min_size=2, max_size=3),
+                      block_sizes=(4, 8), spare=3),
+                lambda case: compare(ns, case, advice))
+
+
+def check_gqa_groups_of_1_3_4(ns):
+    advice = ("GQA: one program serves GROUP query heads (the rows of q, m, l, acc), all reading KV head kv_head; "
+              "GROUP = 3 is padded to 4 rows")
+    compare(ns, Case([6], 3, 1, 16, 4), advice)
+    _hypothesis(cases(lengths=lambda bs: st.lists(st.integers(1, 2 * bs + 1), min_size=1, max_size=2),
+                      groups=(1, 3, 4), head_dims=(16, 24)),
+                lambda case: compare(ns, case, advice))
+
+
+def check_block_size_not_a_power_of_two(ns):
+    advice = ("block sizes 3, 6, 12: the tile has BLOCK_SIZE_PAD slots but a block only BLOCK_SIZE; slots "
+              "t >= BLOCK_SIZE are the next physical block's and must be masked in every block, not only the last")
+    compare(ns, Case([7], 2, 1, 16, 6), advice)
+    _hypothesis(cases(lengths=lambda bs: st.lists(st.integers(1, 3 * bs), min_size=1, max_size=2),
+                      block_sizes=(3, 6, 12)),
+                lambda case: compare(ns, case, advice))
+
+
+def check_float16_cache(ns):
+    advice = "a float16 cache: convert the tiles with .to(tl.float32) and keep the scores, m, l and acc in float32"
+    compare(ns, Case([9], 2, 2, 16, 4, torch.float16), advice)
+    _hypothesis(cases(lengths=lambda bs: st.lists(st.integers(1, 3 * bs), min_size=1, max_size=2),
+                      groups=(1, 4), dtype=torch.float16),
+                lambda case: compare(ns, case, advice))
+
+
+def check_block_number_widened_to_int64(ns):
+    # The kernel must run (a stub says "not implemented yet" here too); its answers are the other checks' job.
+    run(ns, Case([5], 2, 2, 16, 4))
+    # The one rule no small test can catch: physical * stride_kb in int32 wraps once the pool holds
+    # 2**31 elements (4 GiB of fp16), and only a pool that big would show it. So look at the code.
+    kernel = learner(ns, "paged_attention_kernel")
+    fn = getattr(kernel, "fn", kernel)
+    names = getattr(getattr(fn, "__code__", None), "co_names", ())
+    assert "int64" in names, (
+        "the kernel never converts to tl.int64: cast the block number you load from block_tables with "
+        ".to(tl.int64) before multiplying it by stride_kb; in int32, physical * stride_kb wraps around past "
+        "2**31 elements (a 4 GiB fp16 pool) and the kernel silently reads another block")
+
+
+CHECKS = [check_one_full_block, check_partial_last_block, check_many_scattered_blocks_garbage_past_the_end,
+          check_gqa_groups_of_1_3_4, check_block_size_not_a_power_of_two, check_float16_cache,
+          check_block_number_widened_to_int64]
