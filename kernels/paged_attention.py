@@ -23,11 +23,17 @@ kernel can be run and checked anywhere. The interpreter is for correctness, neve
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
-# Must happen before the kernels below are decorated: @triton.jit reads this switch then.
+# Must happen before Triton is imported: @triton.jit reads this switch when a kernel (ours, and
+# Triton's own helpers such as tl.cdiv) is defined. `import minikv` sets it early for this reason.
 if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ImportError("Triton was imported (perhaps by torch._dynamo) before TRITON_INTERPRET=1 was set, so its "
+                          "kernels cannot run on this machine without a CUDA GPU. Import minikv first, or set "
+                          "TRITON_INTERPRET=1 in the environment before starting Python.")
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402  (import after choosing interpreter mode, on purpose)

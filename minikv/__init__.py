@@ -8,4 +8,15 @@ Stage by stage (each a module, each small enough to read in one sitting):
 4. ``kernels/``    a Triton paged-attention decode kernel
 """
 
+import os
+
+import torch
+
 __version__ = "0.1.0"
+
+# Without a CUDA GPU, Triton runs kernels only under its interpreter, and it reads that switch
+# once, when it is first imported: its own helpers (tl.cdiv, ...) are defined then. PyTorch may
+# import Triton early (torch._dynamo does, and transformers' generate imports that), so the
+# switch is set here, at the first import of minikv. With a GPU nothing changes: kernels compile.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -7,6 +7,8 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 import pytest
 
+import minikv  # noqa: F401  first, so Triton's interpreter switch is set before anything imports triton
+
 
 @pytest.fixture(scope="session")
 def smollm2():

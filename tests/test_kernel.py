@@ -286,3 +286,15 @@ def test_kernel_bench_plot_draws_bandwidth_and_overhead() -> None:
         assert sorted(series) == ["bfloat16, batch 1", "bfloat16, batch 8", "float16, batch 1", "float16, batch 8"]
         assert all(xs == [512, 4096] for xs in series.values())
     assert "GB/s" in bandwidth.get_ylabel()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU Triton compiles; no interpreter switch involved")
+def test_triton_imported_before_the_interpreter_switch_gets_a_clear_error():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    late = subprocess.run([sys.executable, "-c", "import torch._dynamo; import kernels.paged_attention"],
+                          env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+    assert late.returncode != 0 and "Import minikv first" in late.stderr
+    early = subprocess.run([sys.executable, "-c", "import minikv, torch._dynamo, kernels.paged_attention as k; "
+                            "assert k.INTERPRETED"], env=env, capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parent.parent)
+    assert early.returncode == 0, early.stderr

@@ -115,6 +115,9 @@ def run(ns: dict, case: Case) -> torch.Tensor:
         if isinstance(root, NotImplementedError):
             raise NotImplementedYet(str(root) or "not implemented yet") from None
         first_line = (str(root).splitlines() or [""])[0][:200]
+        if "outside of the scope of a kernel" in first_line:  # Triton's helpers were defined compiled
+            raise AssertionError("Triton was imported before TRITON_INTERPRET=1 was set, so the interpreter cannot "
+                                 "run its helpers: restart the kernel and run the notebook from the top") from None
         raise AssertionError(f"the kernel raised {type(root).__name__}: {first_line} [{case}]") from None
 
 
