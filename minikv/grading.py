@@ -191,8 +191,8 @@ def make_exercise(solution_nb):
         if cell.cell_type == "code":
             cell.source = strip_solutions(cell.source)
             cell.outputs, cell.execution_count = [], None
-        elif BEGIN in cell.source:
-            cell.source = strip_solutions(cell.source)
+        else:  # markdown: the Colab badge opens the exercise, not the answer
+            cell.source = strip_solutions(cell.source).replace("/blob/main/solutions/", "/blob/main/exercises/")
     nb.metadata.setdefault("minikv", {})["generated_from"] = "solutions/ (run `make exercises` to regenerate)"
     return nb
 

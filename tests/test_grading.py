@@ -82,3 +82,10 @@ def test_generated_exercise_scores_zero_with_clear_messages(solution):
     assert results and not any(r.passed for r in results)
     unclear = [str(r) for r in results if "not implemented yet" not in r.message]
     assert not unclear, "each check of an untouched exercise should say 'not implemented yet':\n" + "\n".join(unclear)
+
+
+def test_exercise_badge_opens_the_exercise():
+    nb = nbformat.v4.new_notebook()
+    nb.cells.append(nbformat.v4.new_markdown_cell(
+        "[![Open In Colab](b.svg)](https://colab.research.google.com/github/o/r/blob/main/solutions/01_x.ipynb)"))
+    assert "/blob/main/exercises/01_x.ipynb" in make_exercise(nb).cells[0].source
