@@ -8,8 +8,6 @@ TORCH  ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NOTEBOOKS := notebooks solutions exercises
 
-export MPLBACKEND = Agg
-export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
 .PHONY: install demo test test-fast lab exercises size bench-memory bench-kernel grade clean

@@ -18,12 +18,15 @@ redrawing in a loop or a widget does not pile up open figures.
   sequences ran.
 * ``waste_breakdown(results)``: one stacked bar per policy, with the paper's range.
 * ``block_size_plot(results)``: paged utilization and last-block waste vs block size.
+* ``block_tables_figure(tables, ...)``: stage 3's picture of block tables: each sequence's
+  logical blocks, arrows to the physical blocks of the pool, slot numbers, last-block waste.
 """
 
 from __future__ import annotations
 
 import io
 import math
+import sys
 from collections.abc import Mapping, Sequence
 
 import matplotlib
@@ -35,6 +38,14 @@ from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import FuncFormatter
 
 from minikv.sim import PARTS, SimResult
+
+# Jupyter shows a plain Figure through an image formatter that the inline backend installs
+# lazily, when the first pyplot figure is made; until then a returned Figure prints as text.
+# Loading the backend now (it makes no figure) installs it, so these figures always show.
+if "ipykernel" in sys.modules:
+    import matplotlib.pyplot as plt
+
+    plt.switch_backend(matplotlib.get_backend())
 
 COLORS = {"live": "#2166ac", "reserved": "#92c5de", "internal": "#f4a582",
           "external": "#b2182b", "free": "#f0f0f0"}
@@ -248,4 +259,74 @@ def block_size_plot(results: Mapping[int, SimResult], ax=None) -> Figure:
     ax.set_title("Paged KV: bigger blocks waste more of each sequence's last block")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return fig
+
+
+def block_tables_figure(tables: Mapping, num_blocks: int, block_size: int, *, written=(), title: str = "") -> Figure:
+    """Each sequence's logical blocks (top row) -> the physical blocks its block table names (bottom row).
+
+    ``tables`` maps a name to anything with ``blocks`` and ``num_tokens`` (a ``minikv.blocks.BlockTable``).
+
+    Filled cells hold tokens (top: token position; bottom: slot number, when blocks are small enough to
+    label); hatched cells are the unfilled tail of a sequence's last block, the only waste; grey blocks
+    are free. Red outlines: `written`, the slots of the last step (its slot mapping)."""
+    W, GAP = 4.0, 0.6                      # a block is W wide whatever its size; cells are W / block_size
+    cell, label = W / block_size, block_size <= 8
+    row_width = max(sum(len(t) for t in tables.values()) * (W + GAP) + 1.5 * GAP * len(tables),
+                    num_blocks * (W + GAP)) + 3.5
+    fig_width = min(14, 0.2 * row_width)
+    fig = Figure(figsize=(fig_width, fig_width * 9.5 / row_width + 0.5))
+    ax = fig.add_subplot()
+    owner = {b: (s, i) for s, t in enumerate(tables.values()) for i, b in enumerate(t.blocks)}
+
+    def block(x, y, filled, color, first, number_from):
+        for k in range(block_size):
+            used = k < filled
+            ax.add_patch(Rectangle((x + k * cell, y), cell, 1, lw=0.4 if label else 0,
+                                   facecolor=color if used else ("white" if color else "#eeeeee"),
+                                   edgecolor="white" if used else "#999999",
+                                   hatch=None if used or color is None else "////"))
+            if label:
+                ax.text(x + (k + 0.5) * cell, y + 0.5, number_from + k, ha="center", va="center", fontsize=6.5,
+                        color="white" if used else "#999999")
+            if first + k in written:
+                ax.add_patch(Rectangle((x + k * cell, y), cell, 1, fill=False, edgecolor="red", lw=1.5, zorder=3))
+        ax.add_patch(Rectangle((x, y), W, 1, fill=False, edgecolor="black" if color else "#999999", lw=0.8))
+
+    pool_y, x = 5.0, 0.0                   # y grows downwards (inverted below)
+    for s, (name, t) in enumerate(tables.items()):
+        color = seq_color(s)
+        ax.text(x, -0.35, f"{name}: {t.num_tokens} tokens", fontsize=9, color=color, weight="bold", va="bottom")
+        for i, b in enumerate(t.blocks):
+            filled = min(block_size, t.num_tokens - i * block_size)
+            block(x, 0, filled, color, b * block_size, i * block_size)   # logical cells show token positions
+            ax.text(x + W / 2, 1.25, f"L{i}", ha="center", va="top", fontsize=7, color="#555555")
+            px = b * (W + GAP)
+            ax.annotate("", xy=(px + W / 2, pool_y - 0.05), xytext=(x + W / 2, 1.6),
+                        arrowprops=dict(arrowstyle="-|>", color=color, lw=1.1, alpha=0.8, shrinkA=0, shrinkB=0))
+            x += W + GAP
+        x += 1.5 * GAP
+    for b in range(num_blocks):
+        px = b * (W + GAP)
+        if b in owner:
+            s, i = owner[b]
+            t = list(tables.values())[s]
+            block(px, pool_y, min(block_size, t.num_tokens - i * block_size), seq_color(s), b * block_size, b * block_size)
+        else:
+            block(px, pool_y, 0, None, b * block_size, b * block_size)
+        ax.text(px + W / 2, pool_y + 1.15, f"{b}", ha="center", va="top", fontsize=7.5,
+                color="black" if b in owner else "#999999")
+    right = max(x, num_blocks * (W + GAP))
+    ax.text(-0.3, 0.5, "logical\nblocks", ha="right", va="center", fontsize=9)
+    ax.text(-0.3, pool_y + 0.5, "physical\nblocks", ha="right", va="center", fontsize=9)
+    ax.set_xlim(-3.5, right)
+    ax.set_ylim(pool_y + 1.6, -1.3)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+    ax.legend(handles=[Patch(facecolor="grey", label="holds a token"),
+                       Patch(facecolor="white", edgecolor="grey", hatch="////", label="allocated, empty (last block only)"),
+                       Patch(facecolor="#eeeeee", edgecolor="#999999", label="free block"),
+                       Patch(fill=False, edgecolor="red", lw=1.5, label="written this step (slot mapping)")],
+              loc="upper center", bbox_to_anchor=(0.5, 0.02), ncol=4, fontsize=8, frameon=False)
     return fig

@@ -3,9 +3,13 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for a hub
-os.environ.setdefault("MPLBACKEND", "Agg")
 
+import matplotlib
 import pytest
+
+# No windows from this process. Set here, not through MPLBACKEND, so the notebook kernels that
+# nbval starts keep Jupyter's inline backend, exactly as a learner's do.
+matplotlib.use("Agg")
 
 import minikv  # noqa: F401  first, so Triton's interpreter switch is set before anything imports triton
 
