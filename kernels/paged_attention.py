@@ -1,7 +1,7 @@
 """A Triton paged-attention decode kernel: attention that reads K/V through a block table.
 
-Same calling convention and answer as ``minikv.attention.paged_attention_ref`` (COURSE.md §4),
-but as one GPU pass that never builds a contiguous copy of anybody's K/V. Decode attention
+Same calling convention (``minikv.attention``'s docstring) and answer as
+``minikv.attention.paged_attention_ref``, but as one GPU pass that never builds a contiguous copy of anybody's K/V. Decode attention
 does almost no arithmetic per byte (each cached K/V element is used by a handful of query
 heads, once), so its speed is set by how fast the cache can be read. Every design choice below
 serves one goal: read each cached byte once, in large enough pieces, with every SM busy.
@@ -186,6 +186,13 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_blocks_per_seq: int,
     return max(1, min(wanted, max_context // MIN_TOKENS_PER_SPLIT, max_blocks_per_seq, MAX_SPLITS))
 
 
+def split_plan(max_blocks_per_seq: int, num_splits: int) -> tuple[int, int]:
+    """(splits that actually run, blocks per split): equal shares of the table, and no split that
+    would start past every table's end (asking for 33 splits of 512 blocks runs 32 of 16)."""
+    blocks_per_split = triton.cdiv(max_blocks_per_seq, num_splits)
+    return triton.cdiv(max_blocks_per_seq, blocks_per_split), blocks_per_split
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -197,7 +204,7 @@ def paged_attention(
     num_splits: int | None = None,
     check_inputs: bool = True,
 ) -> torch.Tensor:
-    """Paged attention for one decode step; shapes as in ``minikv.attention`` (COURSE.md §4).
+    """Paged attention for one decode step; shapes as in ``minikv.attention``'s docstring.
 
     ``num_splits=None`` picks split-KV by ``choose_num_splits`` on a GPU and 1 under the
     interpreter; an explicit number forces it (tests use that to run both paths anywhere).
@@ -223,8 +230,7 @@ def paged_attention(
             torch.cuda.get_device_properties(query.device).multi_processor_count)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1; got {num_splits}")
-    blocks_per_split = triton.cdiv(max_blocks, num_splits)
-    num_splits = triton.cdiv(max_blocks, blocks_per_split)  # drop splits past every table's end
+    num_splits, blocks_per_split = split_plan(max_blocks, num_splits)
 
     if num_splits > 1:
         part_max = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)

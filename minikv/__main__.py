@@ -88,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_exercises)
 
     args = parser.parse_args(argv)
+    from minikv.models import ModelNotAvailable
+
     try:
         return args.fn(args)
-    except ValueError as err:  # bad input: one clear line, not a traceback
+    except (ValueError, OSError, ModelNotAvailable) as err:  # bad input: one clear line, not a traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
 

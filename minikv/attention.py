@@ -20,7 +20,7 @@ This module holds:
 * ``random_paged_inputs``: a random decode batch laid out the way a real pool ends up, blocks
   scattered and table tails full of garbage, for tests and notebooks.
 
-The calling convention (COURSE.md §4)::
+The calling convention, shared by the reference and the Triton kernel::
 
     query        [num_seqs, num_heads, head_dim]                  one new token per sequence
     key_cache    [num_blocks, block_size, num_kv_heads, head_dim] one layer

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from minikv.models import default_device
 from minikv.sizing import ModelShape
 
 
@@ -45,17 +46,15 @@ def cache_shape(config) -> ModelShape:
 def resolve_dtype_device(config, dtype, device) -> tuple[torch.dtype, torch.device]:
     """Defaults for a cache built before it has seen the model's tensors.
 
-    The model's dtype when the config records one, else torch's default; the GPU when there
-    is one (as ``minikv.models.load_model`` does). If the model turns out to run elsewhere,
+    The model's dtype when the config records one, else torch's default; the device
+    ``minikv.models.load_model`` would pick. If the model turns out to run elsewhere,
     the caches re-allocate on their first write, while they are still empty.
     """
     if dtype is None:
         dtype = getattr(config, "dtype", None)
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         dtype = dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return dtype, torch.device(device)
+    return dtype, torch.device(device) if device is not None else default_device()
 
 
 class SlabLayer(CacheLayerMixin):

@@ -1,9 +1,9 @@
 """`python -m minikv demo`: a real model answers a prompt through minikv's paged KV cache,
 and we print what its memory cost.
 
-The bill is computed twice: from the config with stage 1's formula, and by measuring what
-the paged cache (stage 3) actually holds after generation. They must agree; if they ever
-don't, the formula (or the cache) is wrong. Beside it: what a stage-2 server would have
+The bill is computed twice: from the config with stage 1's formula, and from the paged cache
+(stage 3) after generation: the bytes of one slot read off its pool tensors, times the slots
+its block tables hold. They must agree; if they ever don't, the formula (or the cache) is wrong. Beside it: what a stage-2 server would have
 reserved for the same conversation (one slab for the model's whole context).
 """
 
@@ -53,7 +53,7 @@ def run_demo(model_name: str = "smollm2-135m", prompt: str = "What is a KV cache
     rows = bill.rows() + [
         ("measured in the paged cache", f"{fmt_bytes(measured)} in {tokens} token slots "
                                         f"({'matches' if measured == predicted else 'DIFFERS FROM'} the formula)"),
-        ("blocks held", f"{len(blocks)} of {BLOCK_SIZE} tokens = {fmt_bytes(cache.allocated_bytes())}; "
+        ("blocks held", f"{len(blocks)} blocks x {BLOCK_SIZE} tokens = {fmt_bytes(cache.allocated_bytes())}; "
                         f"waste {fmt_bytes(cache.allocated_bytes() - measured)}, all in the last block"),
         ("block table", " ".join(map(str, blocks))),
         ("a stage-2 slab would hold", f"{fmt_bytes(slab)} ({model.config.max_position_embeddings:,}-token context): "

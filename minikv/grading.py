@@ -76,10 +76,20 @@ def run_checks(checks: list[Check], ns: dict) -> list[CheckResult]:
         except AssertionError as err:
             results.append(CheckResult(name, False, str(err) or "assertion failed"))
         except Exception as err:  # the learner's code crashed: say where, in one line
-            where = traceback.extract_tb(err.__traceback__)[-1]
+            where = _learner_frame(traceback.extract_tb(err.__traceback__))
             results.append(CheckResult(name, False, f"{type(err).__name__}: {err} "
                                                     f"(line {where.lineno} of {Path(where.filename).name})"))
     return results
+
+
+def _learner_frame(frames: traceback.StackSummary) -> traceback.FrameSummary:
+    """The frame to point a learner at: the last one in a notebook cell (their code), else the
+    last one outside installed libraries (an error raised deep inside torch is not where to look)."""
+    for test in (lambda f: f.filename.startswith("<"), lambda f: "site-packages" not in f.filename):
+        mine = [f for f in frames if test(f)]
+        if mine:
+            return mine[-1]
+    return frames[-1]
 
 
 def exercise_checks(exercise: str) -> list[Check]:

@@ -43,7 +43,8 @@ def default_dtype(device: torch.device | str) -> torch.dtype:
     """fp32 on the CPU (fast there, and exact enough to compare); half precision on a GPU."""
     if torch.device(device).type != "cuda":
         return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16  # T4 has no bf16
+    # bf16 needs Ampere (compute capability 8) or newer; a T4 (7.5) would only emulate it, slowly.
+    return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
 
 
 def cache_dir() -> Path:

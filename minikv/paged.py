@@ -55,6 +55,9 @@ class PagedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Scatter the new K/V into the pools; return all of each row's K/V, gathered."""
         rows, heads, new, dim = key_states.shape
+        if (heads, dim) != tuple(self.key_cache.shape[2:]):
+            raise ValueError(f"the model gives K/V with {heads} heads of {dim}, but the pools were built for "
+                             f"{tuple(self.key_cache.shape[2:])}: build the cache from this model's config")
         slots, token_slots = self.cache.slot_mapping, self.cache.token_slots
         out = []
         for pool, states in ((self.key_cache, key_states), (self.value_cache, value_states)):
@@ -94,6 +97,9 @@ class PagedKVCache(Cache):
         same interface (exercise 03 runs a learner's own through a real model this way)."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if allocator is not None and allocator.num_blocks != num_blocks:
+            raise ValueError(f"the allocator hands out {allocator.num_blocks} blocks but the pools would hold "
+                             f"{num_blocks}: build both with the same num_blocks")
         self.allocator = allocator if allocator is not None else BlockAllocator(num_blocks)  # checks num_blocks >= 1
         self.table_cls = table_cls
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -132,7 +138,8 @@ class PagedKVCache(Cache):
         self._clear_step()
 
     def _reserve_slots(self, rows: int, new: int) -> None:
-        if all(t.num_tokens == 0 for t in self.tables):  # a new batch (or a first step that failed)
+        new_batch = all(t.num_tokens == 0 for t in self.tables)  # (or a first step that failed)
+        if new_batch:
             self.tables = [self.table_cls(self.block_size, self.allocator) for _ in range(rows)]
         if rows != len(self.tables):
             raise ValueError(f"the batch changed from {len(self.tables)} to {rows} sequences mid-generation; "
@@ -146,12 +153,12 @@ class PagedKVCache(Cache):
         if needed > self.allocator.num_free:
             raise OutOfBlocks(needed, self.allocator.num_free, f"{new} new token(s) in each of {rows} sequence(s)")
         slots = [t.append_tokens(new) for t in self.tables]
-        device = self.layers[0].device
-        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device).flatten()
-        # Every cached token's slot, by the formula the paged-attention kernel uses:
+        step_slots = torch.tensor(slots, dtype=torch.long, device=self.layers[0].device)  # [rows, new]
+        self.slot_mapping = step_slots.flatten()
+        # Every cached token's slot, [rows, seq]: the earlier steps' slots and this step's. These are
+        # the numbers the paged-attention kernel computes from the block table:
         # slot(b, t) = block_tables[b, t // block_size] * block_size + t % block_size.
-        t = torch.arange(self.tables[0].num_tokens, device=device)
-        self.token_slots = self.block_tables.long()[:, t // self.block_size] * self.block_size + t % self.block_size
+        self.token_slots = step_slots if new_batch else torch.cat([self.token_slots, step_slots], dim=1)
 
     # ---- what the kernel and the notebooks read ----
 

@@ -98,7 +98,8 @@ class ModelShape:
         if _field(cfg, ("kv_lora_rank",)) is not None:
             raise ValueError("this config uses multi-head latent attention (MLA, e.g. DeepSeek-V2/V3): it caches "
                              "a compressed latent, not K/V per head, and minikv does not size it")
-        name = name or _field(cfg, ("_name_or_path", "name_or_path", "model_type")) or ""
+        name = name or next((v for v in (_field(cfg, (f,)) for f in ("_name_or_path", "name_or_path", "model_type"))
+                             if v), "")
         layers, heads = _field(cfg, LAYER_FIELDS), _field(cfg, HEAD_FIELDS)
         missing = [what for what, value in (("number of layers", layers), ("number of attention heads", heads))
                    if value is None]
@@ -130,7 +131,7 @@ class ModelShape:
 
 
 def as_shape(shape_or_cfg: Any) -> ModelShape:
-    """Accept a ModelShape, a config (object or dict), or the name of a model in MODELS."""
+    """Accept a ModelShape, a config (object or dict), or the name of a model in MODEL_CONFIGS."""
     if isinstance(shape_or_cfg, ModelShape):
         return shape_or_cfg
     if isinstance(shape_or_cfg, str):
@@ -203,9 +204,10 @@ class GPU:
 
 GiB = 1024**3
 # Datasheet sizes ("80 GB") are read as GiB, which is close to what nvidia-smi reports
-# (an H200 shows about 140 GiB of its "141 GB").
+# (an H200 shows about 140 GiB of its "141 GB"). The T4 is the exception: its ECC memory
+# leaves 15 GiB of the 16 GB on the datasheet, and that is what Colab gives you.
 GPUS: dict[str, GPU] = {g.name.lower(): g for g in (
-    GPU("T4", 16 * GiB, 320, 65),
+    GPU("T4", 15 * GiB, 320, 65),
     GPU("RTX-4090", 24 * GiB, 1008, 165),
     GPU("A100-40GB", 40 * GiB, 1555, 312),
     GPU("A100-80GB", 80 * GiB, 2039, 312),

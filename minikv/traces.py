@@ -107,9 +107,17 @@ def _calibrated_means(w: Workload, max_seq_len: int) -> tuple[float, float]:
         rng = np.random.default_rng(0)  # the same sample every round: a smooth fixed point
         p, o = _lognormal(rng, mp, w.sigma_prompt, 200_000), _lognormal(rng, mo, w.sigma_output, 200_000)
         ok = p + o <= max_seq_len
+        if ok.sum() < 1000:  # (checked before dividing: an empty selection has no mean)
+            break
         mp *= w.mean_prompt / p[ok].mean()
         mo *= w.mean_output / o[ok].mean()
-    return mp, mo
+    else:
+        if abs(p[ok].mean() / w.mean_prompt - 1) < 0.01 and abs(o[ok].mean() / w.mean_output - 1) < 0.01:
+            return mp, mo
+    # Too short a context squeezes the tail out: no length model keeps the published means.
+    raise ValueError(f"max_seq_len={max_seq_len} is too short for {w.name}-shaped requests with their published "
+                     f"means (prompt {w.mean_prompt}, output {w.mean_output} tokens); use a longer max_seq_len "
+                     f"(the paper's models have 2,048) or your own lengths with load_trace(path)")
 
 
 def poisson_arrivals(n: int, rate: float | None, rng: np.random.Generator) -> np.ndarray:

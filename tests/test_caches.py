@@ -18,7 +18,7 @@ from minikv.models import tiny_llama_config
 from minikv.paged import PagedKVCache
 
 # transformers 5.x renamed generate's `past_key_values=` to `cache=` and warns (FutureWarning)
-# until 6.0. The course's contract (COURSE.md §4) spells `past_key_values=`, so we test that.
+# until 6.0. The course's public API spells `past_key_values=`, so we test that.
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 
 LENGTHS = (9, 5, 2)  # three prompts, left-padded to 9 tokens
@@ -312,3 +312,17 @@ def test_smollm2_generate_matches_dynamic_cache(smollm2_batch, kind, block_size)
     out = greedy(model, enc.input_ids, enc.attention_mask, cache, new=20)
     assert torch.equal(out, expected), tokenizer.batch_decode(out[:, enc.input_ids.shape[1]:])
     assert "Paris" in tokenizer.decode(out[0, enc.input_ids.shape[1]:])  # a real model, really answering
+
+
+def test_allocator_and_pool_sizes_must_agree(tiny_llama):
+    from minikv.blocks import BlockAllocator
+
+    with pytest.raises(ValueError, match="same num_blocks"):
+        PagedKVCache(tiny_llama.config, num_blocks=2, block_size=4, allocator=BlockAllocator(64))
+
+
+def test_a_cache_built_for_another_model_says_so(tiny_llama):
+    other = tiny_llama_config(num_key_value_heads=4)  # pools for 4 KV heads; the model gives 2
+    cache = PagedKVCache(other, num_blocks=8, block_size=4, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="build the cache from this model's config"):
+        tiny_llama(torch.tensor([[5, 6, 7]]), past_key_values=cache)

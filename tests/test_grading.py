@@ -89,3 +89,15 @@ def test_exercise_badge_opens_the_exercise():
     nb.cells.append(nbformat.v4.new_markdown_cell(
         "[![Open In Colab](b.svg)](https://colab.research.google.com/github/o/r/blob/main/solutions/01_x.ipynb)"))
     assert "/blob/main/exercises/01_x.ipynb" in make_exercise(nb).cells[0].source
+
+
+def test_a_crash_inside_a_library_points_at_the_learners_cell():
+    ns = {}
+    exec(compile("import torch\ndef f():\n    return torch.einsum('ij,jk->ik', torch.ones(2, 3), torch.ones(2, 3))\n",
+                 "<03_paged.ipynb cell 7>", "exec"), ns)
+
+    def check_calls_f(ns):
+        ns["f"]()
+
+    (result,) = run_checks([check_calls_f], ns)
+    assert result.message.endswith("(line 3 of <03_paged.ipynb cell 7>)"), result.message

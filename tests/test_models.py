@@ -45,3 +45,11 @@ def test_unknown_name_without_a_hub_names_the_offline_choices():
         load_model("no-such-org/no-such-model")
     with pytest.raises(ModelNotAvailable, match="offline"):
         load_model("llama-7")
+
+
+def test_cli_reports_an_unavailable_model_in_one_line(capsys):
+    from minikv.__main__ import main
+
+    assert main(["demo", "--model", "llama-7"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown model name 'llama-7'") and "Traceback" not in err

@@ -252,3 +252,10 @@ def test_figures_draw(tmp_path):
     first = widget.png
     widget.slider.value = 1
     assert widget.png != first
+
+
+def test_a_context_too_short_for_the_workload_is_refused():
+    from minikv.traces import make_trace
+
+    with pytest.raises(ValueError, match="max_seq_len=256 is too short for sharegpt"):
+        make_trace("sharegpt", 10, max_seq_len=256)

@@ -90,7 +90,7 @@ def _scatter_into_blocks(
 def bench_config(batch: int, context: int, dtype: torch.dtype, block_size: int, copy_gbps: float,
                  device: torch.device) -> Row:
     """Check, then time, one (batch, context, dtype) configuration. Skips it if it cannot fit."""
-    from kernels.paged_attention import choose_num_splits, paged_attention
+    from kernels.paged_attention import choose_num_splits, paged_attention, split_plan
 
     row: Row = dict(dtype=str(dtype).removeprefix("torch."), batch=batch, context=context, block_size=block_size)
     elem = torch.finfo(dtype).bits // 8
@@ -141,7 +141,7 @@ def bench_config(batch: int, context: int, dtype: torch.dtype, block_size: int, 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     row |= dict(
         status="ok",
-        num_splits=choose_num_splits(batch, NUM_KV_HEADS, blocks_per_seq, block_size, sms),
+        num_splits=split_plan(blocks_per_seq, choose_num_splits(batch, NUM_KV_HEADS, blocks_per_seq, block_size, sms))[0],
         kernel_us=kernel_ms * 1e3,
         bytes=bytes_moved,
         gbps=bytes_moved / (kernel_ms * 1e-3) / 1e9,
