@@ -2,9 +2,10 @@
 
 Same calling convention (``minikv.attention``'s docstring) and answer as
 ``minikv.attention.paged_attention_ref``, but as one GPU pass that never builds a contiguous
-copy of anybody's K/V. Decode attention does almost no arithmetic per byte (each cached K/V element is used by a handful of query
-heads, once), so its speed is set by how fast the cache can be read. Every design choice below
-serves one goal: read each cached byte once, in large enough pieces, with every SM busy.
+copy of anybody's K/V. Decode attention does almost no arithmetic per byte (each cached K/V
+element is used by a handful of query heads, once), so its speed is set by how fast the
+cache can be read. Every design choice below serves one goal: read each cached byte once, in
+large enough pieces, with every SM busy.
 
 * One program per (sequence, KV head) handles *all* query heads that share that KV head, so
   under GQA/MQA each K/V byte is loaded once, not once per query head.
