@@ -138,7 +138,7 @@ def _reference_run(policy: str):
     return simulate(list(_short_trace()), cls())
 
 
-def check_slab_waste_reproduces_the_simulators_books(ns):
+def check_slab_waste_matches_the_simulator(ns):
     fn = learner(ns, "slab_waste")
     for policy in ("max", "pow2"):
         r = _reference_run(policy)
@@ -256,6 +256,6 @@ def check_first_fit_in_the_simulator(ns):
 
 CHECKS = [check_first_fit_edge_cases, check_first_fit_on_many_layouts,
           check_slab_waste_cases, check_slab_waste_on_many_slabs,
-          check_slab_waste_reproduces_the_simulators_books,
+          check_slab_waste_matches_the_simulator,
           check_external_fragmentation_cases, check_external_fragmentation_on_many_layouts,
           check_first_fit_in_the_simulator]
