@@ -192,7 +192,7 @@ def check_many_scattered_blocks_garbage_past_the_end(ns):
                 lambda case: compare(ns, case, advice))
 
 
-def check_gqa_groups_of_1_3_4(ns):
+def check_grouped_query_heads(ns):
     advice = ("GQA: one program serves GROUP query heads (the rows of q, m, l, acc), all reading KV head kv_head; "
               "GROUP = 3 is padded to 4 rows")
     compare(ns, Case([6], 3, 1, 16, 4), advice)
@@ -237,5 +237,5 @@ def check_block_number_widened_to_int64(ns):
 
 
 CHECKS = [check_one_full_block, check_partial_last_block, check_many_scattered_blocks_garbage_past_the_end,
-          check_gqa_groups_of_1_3_4, check_block_size_not_a_power_of_two, check_float16_cache,
+          check_grouped_query_heads, check_block_size_not_a_power_of_two, check_float16_cache,
           check_block_number_widened_to_int64]
