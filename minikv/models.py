@@ -132,8 +132,9 @@ def tiny_llama_config(**overrides):
 def tiny_random_llama(seed: int = 0, **overrides):
     from transformers import LlamaForCausalLM
 
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config(**overrides))
+    with torch.random.fork_rng(devices=[]):  # seeded weights, without resetting the caller's random state
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(tiny_llama_config(**overrides))
     return model.eval()
 
 
