@@ -42,6 +42,8 @@ from typing import NamedTuple
 
 import torch
 
+from minikv.blocks import blocks_for
+
 __all__ = [
     "PagedInputs",
     "check_paged_attention_inputs",
@@ -155,7 +157,7 @@ def gather_kv(
     offset ``t % block_size``. Table entries past the blocks the sequence needs are not read.
     """
     block_size = key_cache.shape[1]
-    blocks_needed = -(-seq_len // block_size)  # ceiling division
+    blocks_needed = blocks_for(seq_len, block_size)
     physical = block_table_row[:blocks_needed].long()
     # [blocks_needed, block_size, kv_heads, dim] -> [blocks_needed * block_size, kv_heads, dim],
     # then drop the unused tail of the last block.
@@ -266,7 +268,7 @@ def random_paged_inputs(
     needs, and every entry past a sequence's last block holds garbage (``GARBAGE_BLOCK_NUMBERS``).
     """
     generator = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    blocks_needed = [blocks_for(n, block_size) for n in seq_lens]
     num_blocks = sum(blocks_needed) + 1  # one block no sequence owns: a stray read would find junk
     table_width = max(blocks_needed, default=0) + spare_table_entries
     garbage = torch.tensor(GARBAGE_BLOCK_NUMBERS, dtype=torch.int32)

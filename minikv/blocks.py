@@ -22,6 +22,11 @@ from collections import deque
 from collections.abc import Iterable
 
 
+def blocks_for(tokens: int, block_size: int) -> int:
+    """How many blocks hold `tokens` tokens: the last one may be partly empty (ceiling division)."""
+    return -(-tokens // block_size)
+
+
 class BlockError(ValueError):
     """A block id that makes no sense here: out of range, not allocated, or freed twice."""
 
@@ -121,7 +126,7 @@ class BlockTable:
         """How many new blocks ``n`` more tokens need. Check this before appending."""
         if n < 0:
             raise ValueError(f"cannot append a negative number of tokens ({n})")
-        total = -(-(self.num_tokens + n) // self.block_size)  # ceil division
+        total = blocks_for(self.num_tokens + n, self.block_size)
         return max(0, total - len(self.blocks))
 
     def append_tokens(self, n: int) -> list[int]:

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from minikv.blocks import blocks_for
 from minikv.models import load_model
 from minikv.paged import PagedKVCache
 from minikv.sizing import ModelShape, fmt_bytes, format_rows, kv_bill, kv_cache_bytes
@@ -32,7 +33,7 @@ def run_demo(model_name: str = "smollm2-135m", prompt: str = "What is a KV cache
     ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt",
                                         return_dict=True)["input_ids"].to(model.device)
     # A pool just big enough for this conversation, in blocks of 16 tokens.
-    num_blocks = -(-(ids.shape[1] + max_tokens) // BLOCK_SIZE)
+    num_blocks = blocks_for(ids.shape[1] + max_tokens, BLOCK_SIZE)
     cache = PagedKVCache(model.config, num_blocks=num_blocks, block_size=BLOCK_SIZE,
                          dtype=model.dtype, device=model.device)
     t0 = time.perf_counter()

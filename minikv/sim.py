@@ -61,7 +61,7 @@ from typing import Protocol
 import numpy as np
 from tqdm.auto import tqdm
 
-from minikv.blocks import BlockAllocator, BlockTable
+from minikv.blocks import BlockAllocator, BlockTable, blocks_for
 from minikv.traces import Request
 
 OPT13B_BYTES_PER_TOKEN = 2 * 40 * 5120 * 2  # K and V, 40 layers, hidden 5120, fp16: 800 KiB
@@ -255,13 +255,13 @@ class Paged:
         self.counters: dict[str, int] = {}
 
     def refuse(self, req: Request) -> str | None:
-        blocks = -(-req.total_len // self.block_size)
+        blocks = blocks_for(req.total_len, self.block_size)
         if blocks > self.num_blocks:
             return f"needs {blocks} blocks of {self.block_size}, the budget has {self.num_blocks}"
         return None
 
     def need(self, seq: Seq) -> int:
-        return -(-seq.live // self.block_size) * self.block_size
+        return blocks_for(seq.live, self.block_size) * self.block_size
 
     def _append(self, table: BlockTable, tokens: int) -> bool:
         if table.blocks_needed(tokens) > self.allocator.num_free:

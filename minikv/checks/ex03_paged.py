@@ -34,7 +34,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.attention import paged_attention_ref, random_paged_inputs
-from minikv.blocks import BlockAllocator, BlockTable
+from minikv.blocks import BlockAllocator, BlockTable, blocks_for
 from minikv.grading import NotImplementedYet, call, learner
 
 MANY = settings(max_examples=200, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
@@ -481,7 +481,7 @@ def check_real_model_with_your_allocator_and_table(ns):
     call(lambda: table_cls(BLOCK_SIZE, BlockAllocator(4)).append_tokens(1))
     model, name, ids, mask, expected = _real_model()
     seq = expected.shape[1] - 1  # tokens cached per row at the end
-    per_row = -(-seq // BLOCK_SIZE)
+    per_row = blocks_for(seq, BLOCK_SIZE)
     num_blocks = len(CHATS) * per_row + 2  # a tight pool: two blocks to spare
     allocator = call(alloc_cls, num_blocks)
     built = f"PagedKVCache(model.config, num_blocks={num_blocks}, block_size={BLOCK_SIZE}, " \

@@ -25,6 +25,7 @@ import torch
 from hypothesis import Phase, given, settings, strategies as st
 
 from minikv.attention import PagedInputs, paged_attention_ref, random_paged_inputs
+from minikv.blocks import blocks_for
 from minikv.grading import NotImplementedYet, call, learner
 
 # Few examples, no shrinking: each example is a kernel launch under the interpreter (~0.1 s).
@@ -68,7 +69,7 @@ def poisoned_inputs(lengths, num_heads, num_kv_heads, head_dim, block_size, dtyp
     nan_blocks = torch.full((2, *x.key_cache.shape[1:]), float("nan"))
     key_cache, value_cache = torch.cat([x.key_cache, nan_blocks]), torch.cat([x.value_cache, nan_blocks])
     tables = x.block_tables.clone()
-    blocks_used = [-(-n // block_size) for n in lengths]
+    blocks_used = [blocks_for(n, block_size) for n in lengths]
     owned = torch.zeros(num_blocks + 2, dtype=torch.bool)
     for row, used in enumerate(blocks_used):
         owned[tables[row, :used].long()] = True
