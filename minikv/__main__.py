@@ -36,10 +36,76 @@ def cmd_bench(args) -> int:
 
 
 def cmd_grade(args) -> int:
-    from minikv.grading import grade_notebook
+    """Grade notebooks (or folders of them) in sandboxes; exit 0 only if every one scores 100%."""
+    import csv
+    import json
+    from pathlib import Path
 
-    results = grade_notebook(args.notebook)
-    return 0 if all(r.passed for r in results) else 1
+    from minikv.grading import print_report
+
+    paths = []
+    for given in args.paths:
+        p = Path(given)
+        if p.is_dir():
+            paths += sorted(q for q in p.rglob("*.ipynb") if ".ipynb_checkpoints" not in q.parts)
+        elif p.exists():
+            paths.append(p)
+        else:
+            raise OSError(f"{given}: no such file or folder")
+    if not paths:
+        raise ValueError(f"no notebooks found in {' '.join(args.paths)}")
+    limits = {"timeout": args.timeout, "memory_gb": args.memory or None}
+    reports = _grade_all(paths, limits, args.jobs, progress=len(paths) > 1 and not args.quiet)
+    if args.json:
+        print(json.dumps([r.row() | {"results": [vars(c) for c in r.results], "notes": r.notes}
+                          for r in reports], indent=1))
+    elif len(reports) == 1:
+        print_report(reports[0])
+    else:
+        width = max(len(r.path) for r in reports)
+        for r in reports:
+            row = r.row()
+            print(f"{r.path:<{width}}  {r.exercise or '--':>2}  {row['score']:>5} ({row['percent']:>3}%)  "
+                  f"{r.seconds:6.1f} s  {r.reason}")
+    if args.csv:
+        checks = list(dict.fromkeys(f"{r.exercise}: {c.name}" for r in reports for c in r.results))
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["path", "exercise", "score", "passed", "total", "percent", "seconds", "reason", *checks])
+            for r in reports:
+                row, verdicts = r.row(), {f"{r.exercise}: {c.name}": c for c in r.results}
+                writer.writerow([row[k] for k in ("path", "exercise", "score", "passed", "total", "percent",
+                                                  "seconds", "reason")]
+                                + [("PASS" if verdicts[c].passed else "FAIL") if c in verdicts else "" for c in checks])
+    full = sum(r.full_marks for r in reports)
+    if len(reports) > 1 and not args.json:
+        print(f"{full}/{len(reports)} submissions with full marks")
+    return 0 if full == len(reports) else 1
+
+
+def _grade_all(paths, limits: dict, jobs: int, progress: bool):
+    """Grade each path; with jobs > 1 in worker processes (each grades several, loading a model once)."""
+    from tqdm.auto import tqdm
+
+    from minikv.grading import grade_submission
+
+    bar = tqdm(total=len(paths), unit="nb", desc="grading", disable=not progress, file=sys.stderr)
+    if jobs <= 1:
+        reports = []
+        for p in paths:
+            reports.append(grade_submission(p, **limits))
+            bar.update()
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(grade_submission, p, **limits) for p in paths]
+            for f in futures:
+                f.add_done_callback(lambda _: bar.update())
+            reports = [f.result() for f in futures]
+    bar.close()
+    return reports
 
 
 def cmd_exercises(args) -> int:
@@ -79,8 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (--help lists them)")
     p.set_defaults(fn=cmd_bench)
 
-    p = sub.add_parser("grade", help="run an exercise notebook and its checks: one line per check and a score")
-    p.add_argument("notebook")
+    p = sub.add_parser("grade", help="grade exercise notebooks, each in a sandbox: a line per check and a score "
+                                     "(one notebook) or a gradebook row per notebook")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="notebooks, or folders searched for *.ipynb")
+    p.add_argument("--jobs", type=int, default=1, help="submissions graded at the same time (default 1)")
+    p.add_argument("--csv", metavar="FILE", help="write the gradebook: a row per submission, a column per check")
+    p.add_argument("--json", action="store_true", help="print the gradebook as JSON instead")
+    p.add_argument("--timeout", type=float, default=300,
+                   help="wall-clock seconds one submission may take, checks included (default 300)")
+    p.add_argument("--memory", type=float, default=8,
+                   help="GB of address space for the submission's process (default 8; 0: no limit)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_grade)
 
     p = sub.add_parser("exercises", help="regenerate exercises/ from solutions/ (--check: only report)")

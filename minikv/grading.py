@@ -1,4 +1,4 @@
-"""The exercise machinery: generate exercises from solutions, and grade either with the same checks.
+"""The exercise machinery: generate exercises from solutions, and grade submissions with the same checks.
 
 Solutions are the single source of truth (nbgrader's convention): in a solution notebook,
 code between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` is the answer. `make_exercise`
@@ -7,21 +7,26 @@ indentation, so the exercise notebook still runs top to bottom and every check t
 "not implemented yet" instead of failing deep inside.
 
 Checks live in ``minikv/checks/exNN_*.py``, one module per exercise, and are plain functions
-that take the learner's namespace (the notebook's globals) and raise AssertionError with a
-short reason. `grade` runs them and prints one line per check and a score; the notebook's
-last cell calls it, and ``python -m minikv grade NOTEBOOK`` runs the notebook's code in this
-process and then calls it too, so learners and graders see the same verdicts.
+that take the learner's namespace and raise AssertionError with a short reason. There are two
+ways to run them:
+
+* ``python -m minikv grade PATH...`` (`grade_submission`), what graders use: the submission's
+  cells run in a child process (`minikv.sandbox`) with a time and a memory limit, the checks run
+  here against proxies of the learner's functions and classes, and verdicts and score are
+  computed and printed here alone. A static look at the cells (`minikv.delegation`) and a
+  runtime tripwire in the child fail a check whose graded code hands the work to minikv's own.
+* the notebook's last cell, ``grade("NN", globals())``: a quick self-check in the learner's own
+  process, which says so.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
-import linecache
-import os
 import re
+import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -64,22 +69,42 @@ def call(fn: Callable, *args, **kwargs):
         raise NotImplementedYet(str(err) or "not implemented yet") from None
 
 
-def run_checks(checks: list[Check], ns: dict) -> list[CheckResult]:
-    results = []
+def run_checks(checks: list[Check], ns) -> list[CheckResult]:
+    """Run each check on the learner's namespace (a dict, or the sandbox's proxy of one). If the
+    submission's process dies, the check in flight and every later one fail with the reason."""
+    from minikv.sandbox import ChildDied, Delegation
+
+    results, dead = [], None
     for check in checks:
         name = check.__name__.removeprefix("check_").replace("_", " ")
+        if dead:
+            results.append(CheckResult(name, False, f"not run: {dead}"))
+            continue
         try:
             check(ns)
             results.append(CheckResult(name, True))
+        except ChildDied as err:
+            dead = err.reason
+            results.append(CheckResult(name, False, dead))
+        except Delegation as err:
+            results.append(CheckResult(name, False, str(err)))
         except NotImplementedYet as err:
             results.append(CheckResult(name, False, str(err)))
         except AssertionError as err:
-            results.append(CheckResult(name, False, str(err) or "assertion failed"))
+            results.append(CheckResult(name, False, _one_line(str(err)) or "assertion failed"))
         except Exception as err:  # the learner's code crashed: say where, in one line
-            where = _learner_frame(traceback.extract_tb(err.__traceback__))
-            results.append(CheckResult(name, False, f"{type(err).__name__}: {err} "
-                                                    f"(line {where.lineno} of {Path(where.filename).name})"))
+            where = getattr(err, "where", None)  # set on an exception that crossed from the sandbox
+            if where is None:
+                frame = _learner_frame(traceback.extract_tb(err.__traceback__))
+                where = f"line {frame.lineno} of {Path(frame.filename).name}"
+            results.append(CheckResult(name, False, _one_line(f"{type(err).__name__}: {err}")
+                                       + (f" ({where})" if where else "")))
     return results
+
+
+def _one_line(text: str) -> str:
+    """A verdict is one line: a message with newlines (hypothesis adds some) is joined."""
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
 
 def _learner_frame(frames: traceback.StackSummary) -> traceback.FrameSummary:
@@ -89,28 +114,66 @@ def _learner_frame(frames: traceback.StackSummary) -> traceback.FrameSummary:
         mine = [f for f in frames if test(f)]
         if mine:
             return mine[-1]
-    return frames[-1]
+    return frames[-1] if frames else traceback.FrameSummary("?", 0, "?")
 
 
-def exercise_checks(exercise: str) -> list[Check]:
-    """The checks of exercise `exercise` ("01", "02", ...), in the order they are defined."""
+def exercise_module(exercise: str):
+    """The check module of exercise `exercise` ("01", "02", ...)."""
     from minikv import checks
 
     module_name = checks.MODULES.get(exercise)
     if module_name is None:
         raise ValueError(f"no checks for exercise {exercise!r}; known: {', '.join(checks.MODULES)}")
-    module = importlib.import_module(f"minikv.checks.{module_name}")
-    return list(module.CHECKS)
+    return importlib.import_module(f"minikv.checks.{module_name}")
+
+
+def exercise_checks(exercise: str) -> list[Check]:
+    """The checks of exercise `exercise`, in the order they are defined."""
+    return list(exercise_module(exercise).CHECKS)
+
+
+SELF_CHECK = ("(self-check, run in this notebook's own process. Graders run `python -m minikv grade NOTEBOOK`, "
+              "which runs your code in a separate process and also fails code that calls minikv's own answer.)")
 
 
 def grade(exercise: str, ns: dict, quiet: bool = False) -> list[CheckResult]:
-    """Run exercise `exercise`'s checks against a namespace; print a line per check and the score."""
-    results = run_checks(exercise_checks(exercise), ns)
+    """The notebook's self-check: run exercise `exercise`'s checks on the notebook's globals, here,
+    and print a line per check and the score. Quick, and for the learner only: it runs in the
+    learner's own process, so it is no verdict (see `grade_submission`)."""
+    module = exercise_module(exercise)
+    cells = [c for c in ns.get("In", []) if isinstance(c, str)] if isinstance(ns, dict) else []
+    flagged = _delegation(module, cells)
+    results = run_checks(list(module.CHECKS), _Flagged(ns, flagged) if flagged else ns)
     if not quiet:
+        print(SELF_CHECK)
         for r in results:
             print(r)
         print(score_line(results))
     return results
+
+
+class _Flagged(dict):
+    """A namespace where reading a name that delegates to minikv fails its checks."""
+
+    def __init__(self, ns: dict, flagged: dict[str, str]):
+        super().__init__(ns)
+        self.flagged = flagged
+
+    def __getitem__(self, name):
+        from minikv.sandbox import Delegation
+
+        if name in self.flagged:
+            raise Delegation(self.flagged[name])
+        return super().__getitem__(name)
+
+    def get(self, name, default=None):
+        return self[name] if name in self else default
+
+
+def _delegation(module, cells: list[str]) -> dict[str, str]:
+    from minikv.delegation import find_delegation
+
+    return find_delegation(cells, list(getattr(module, "GRADED", ())), list(getattr(module, "FORBIDDEN", ())))
 
 
 def score_line(results: list[CheckResult]) -> str:
@@ -131,39 +194,112 @@ def is_grading_cell(cell) -> bool:
     return "grade" in cell.metadata.get("tags", [])
 
 
-def _python_only(source: str) -> str:
-    """Drop IPython magics and shell lines so a cell runs under plain exec()."""
-    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+@dataclass
+class Report:
+    """One graded submission: a row of the gradebook."""
+
+    path: str
+    exercise: str = ""
+    results: list[CheckResult] = field(default_factory=list)
+    seconds: float = 0.0
+    reason: str = ""      # why it is not full marks, in one line ("" when it is)
+    notes: list[str] = field(default_factory=list)  # cells that raised, and the like
+
+    @property
+    def passed(self) -> int:
+        return sum(r.passed for r in self.results)
+
+    @property
+    def full_marks(self) -> bool:
+        """Every check passed, and there was at least one: the only case that exits 0."""
+        return bool(self.results) and self.passed == len(self.results) and not self.reason
+
+    def row(self) -> dict:
+        total = len(self.results)
+        return {"path": self.path, "exercise": self.exercise, "passed": self.passed, "total": total,
+                "score": f"{self.passed}/{total}", "percent": 100 * self.passed // max(total, 1),
+                "seconds": round(self.seconds, 1), "reason": self.reason,
+                "checks": {r.name: ("PASS" if r.passed else "FAIL") for r in self.results}}
 
 
-def grade_notebook(path: str | Path, quiet: bool = False) -> list[CheckResult]:
-    """Run a notebook's code cells in a fresh namespace (a failing cell is reported, not fatal),
-    then its exercise's checks. Environment variables the notebook sets (exercise 04 sets
-    TRITON_INTERPRET) are restored afterwards, so grading leaves this process as it found it."""
-    import matplotlib
+def notebook_cells(nb, name: str) -> list[tuple[str, str]]:
+    """(source, filename) of the code cells to run, the grading cell left out."""
+    return [(cell.source, f"<{name} cell {i}>") for i, cell in enumerate(nb.cells)
+            if cell.cell_type == "code" and not is_grading_cell(cell)]
 
-    matplotlib.use("Agg")  # no windows when grading from a terminal
-    nb = nbformat.read(str(path), as_version=4)
-    exercise = exercise_id(nb)
-    ns: dict = {"__name__": "__main__"}
-    saved_env = dict(os.environ)
+
+def grade_submission(path: str | Path, timeout: float = 300, memory_gb: float | None = 8) -> Report:
+    """Grade one submission in a sandbox: its cells run in a child process (`minikv.sandbox`)
+    limited to `timeout` seconds of wall clock and `memory_gb` of address space; the checks run
+    here, on proxies of its functions and classes. Never raises: a broken submission is a report
+    with a reason."""
+    from minikv.sandbox import ChildDied, Sandbox
+
+    start = time.monotonic()
+    report = Report(str(path))
     try:
-        for i, cell in enumerate(nb.cells):
-            if cell.cell_type != "code" or is_grading_cell(cell):
-                continue
-            source, filename = _python_only(cell.source), f"<{Path(path).name} cell {i}>"
-            # Register the cell's source as IPython does, so `inspect` (and Triton's interpreter,
-            # which re-reads a kernel's source) and tracebacks find the code that actually ran.
-            linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-            try:
-                exec(compile(source, filename, "exec"), ns)
-            except Exception as err:
-                if not quiet:
-                    print(f"note: cell {i} raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
-        return grade(exercise, ns, quiet=quiet)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved_env)
+        nb = nbformat.read(str(path), as_version=4)
+        report.exercise = exercise_id(nb)
+        module = exercise_module(report.exercise)
+    except Exception as err:  # noqa: BLE001 - unreadable, not a notebook, not an exercise
+        report.reason = _one_line(f"not gradable: {err}")
+        report.seconds = time.monotonic() - start
+        return report
+    cells = notebook_cells(nb, Path(path).name)
+    flagged = _delegation(module, [source for source, _ in cells])
+    memory = int(memory_gb * 2**30) if memory_gb else None
+    try:
+        with Sandbox(cells, timeout=timeout, memory_bytes=memory, flagged=flagged,
+                     tripwires=tuple(getattr(module, "FORBIDDEN", ()))) as box:
+            report.notes = box.notes
+            if box.death:
+                report.results = run_checks(list(module.CHECKS), _Dead(box.death))
+            else:
+                report.results = run_checks(list(module.CHECKS), box.namespace)
+    except ChildDied as err:  # while shutting down: the verdicts stand, the reason is recorded
+        report.reason = err.reason
+    except Exception as err:  # noqa: BLE001 - the grader itself failed on this submission
+        report.reason = _one_line(f"grader error: {type(err).__name__}: {err}")
+    report.seconds = time.monotonic() - start
+    if not report.results and not report.reason:
+        report.reason = "no checks ran"
+    if not report.reason:
+        failed = [r for r in report.results if not r.passed]
+        report.reason = f"{failed[0].name}: {failed[0].message}" if failed else ""
+    return report
+
+
+class _Dead:
+    """The namespace of a submission whose process died before the checks: every read says why."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __contains__(self, *args):
+        from minikv.sandbox import ChildDied
+
+        raise ChildDied(self.reason)
+
+    __getitem__ = get = __contains__
+
+
+def grade_notebook(path: str | Path, quiet: bool = False, timeout: float = 300,
+                   memory_gb: float | None = 8) -> list[CheckResult]:
+    """`grade_submission`, printed: notes, a line per check and the score."""
+    report = grade_submission(path, timeout=timeout, memory_gb=memory_gb)
+    if not quiet:
+        print_report(report)
+    return report.results
+
+
+def print_report(report: Report) -> None:
+    for note in report.notes:
+        print(f"note: {note}")
+    if not report.results:
+        print(f"FAIL  {report.path}: {report.reason}")
+    for r in report.results:
+        print(r)
+    print(score_line(report.results))
 
 
 def strip_solutions(source: str) -> str:
@@ -225,5 +361,5 @@ def generate_exercises(root: Path = REPO, check: bool = False) -> list[Path]:
     return stale
 
 
-__all__ = ["grade", "grade_notebook", "learner", "call", "make_exercise", "generate_exercises",
-           "strip_solutions", "CheckResult", "NotImplementedYet"]
+__all__ = ["grade", "grade_notebook", "grade_submission", "Report", "learner", "call", "make_exercise",
+           "generate_exercises", "strip_solutions", "CheckResult", "NotImplementedYet"]
