@@ -57,7 +57,9 @@ Check = Callable[[dict], None]
 def learner(ns: dict, name: str) -> Callable:
     """Fetch the learner's function `name`, with a clear message if the cell was never run."""
     if name not in ns:
-        raise AssertionError(f"`{name}` is not defined: run the cell that defines it first")
+        notes = getattr(ns, "notes", None)  # the sandbox's: cells that raised
+        raise AssertionError(f"`{name}` is not defined: run the cell that defines it first"
+                             + (f" ({'; '.join(notes)})" if notes else ""))
     return ns[name]
 
 

@@ -496,6 +496,7 @@ class RemoteNamespace:
 
     def __init__(self, channel: Channel, flagged: dict[str, str] | None = None):
         self._channel, self.flagged = channel, dict(flagged or {})
+        self.notes: list[str] = []  # cells that raised, for "`f` is not defined" messages
 
     def __contains__(self, name) -> bool:
         return bool(self._channel.request("has", None, (name,)))
@@ -555,6 +556,7 @@ class Sandbox:
                     self.cell_running = str(msg[1])[:100]
                 elif msg[0] == "note":
                     self.notes.append(_one_line(msg[1]))
+                    self.namespace.notes = self.notes
                 else:
                     self.cell_running = None
                     break
