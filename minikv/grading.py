@@ -71,6 +71,27 @@ def call(fn: Callable, *args, **kwargs):
         raise NotImplementedYet(str(err) or "not implemented yet") from None
 
 
+def peek(obj, items: list) -> list[tuple[str, object]]:
+    """Read several attributes (a name) or call several methods (a tuple: name, *args) of a learner
+    object: [("ok", value) or ("raised", exception)] in order. On a sandbox proxy this is one round
+    trip instead of one per item; a stub's NotImplementedError stops it, as in `call`."""
+    from minikv.sandbox import Proxy
+
+    if isinstance(obj, Proxy):
+        out = obj._gather(items)
+    else:
+        out = []
+        for item in items:
+            try:
+                out.append(("ok", getattr(obj, item) if isinstance(item, str) else getattr(obj, item[0])(*item[1:])))
+            except Exception as err:  # noqa: BLE001 - the learner's code may raise anything
+                out.append(("raised", err))
+    for kind, value in out:
+        if kind == "raised" and isinstance(value, NotImplementedError):
+            raise NotImplementedYet(str(value) or "not implemented yet")
+    return out
+
+
 def run_checks(checks: list[Check], ns) -> list[CheckResult]:
     """Run each check on the learner's namespace (a dict, or the sandbox's proxy of one). If the
     submission's process dies, the check in flight and every later one fail with the reason."""

@@ -1,25 +1,33 @@
-"""Checks for exercise 03 (paged): the learner's `MyBlockAllocator`, `MyBlockTable` and
-`my_paged_attention`, each compared with minikv's own on many inputs, then all three together
-(the allocator and the table) inside `PagedKVCache` driving a real model's `generate`.
+"""Checks for exercise 03 (paged): the learner's `MyBlockAllocator` (LIFO), `MyBlockTable` (with a
+sliding window) and `my_paged_attention` (over a head-major pool), each compared with minikv's own on
+many inputs, then the allocator and the table together inside `PagedKVCache` driving a real model.
+
+Notebook 03 prints minikv's FIFO allocator and plain block table, so the exercise asks for variants
+that need the same understanding but not the same code:
 
 * The allocator replays random operation sequences (hypothesis draws them and shrinks a failure
   to the shortest one) on the learner's class and on `minikv.blocks.BlockAllocator`, and compares
-  after every operation: return values, errors, `num_free`, `num_used` and every refcount. Which
-  free block `allocate` hands out is the learner's choice (FIFO, LIFO, anything): the replay
-  pairs each learner block with the reference block allocated at the same moment.
-* The block table does the same against `minikv.blocks.BlockTable` (several tables sharing one
-  pool, block sizes 1, 2, 3, 5, 7 and 16), once with a roomy pool and once with a small one
-  that runs out, where a failed append must leave the table and the pool as they were.
+  after every operation: return values, errors, `num_free`, `num_used` and every refcount (blocks
+  paired by the moment they were allocated). On top, the order: `allocate` must hand out the block
+  freed *most recently* (last in, first out), and a fresh pool hands out 0, 1, 2, ...
+* The block table is replayed against `WindowTable`, minikv's `BlockTable` plus a sliding window
+  (below): several tables sharing one pool, block sizes 1, 2, 3, 5, 7 and 16, no window or windows of
+  1 to 4 blocks; once with a roomy pool and once with a small one that runs out, where a failed
+  append must leave the table and the pool as they were.
 * Paged attention is compared with `paged_attention_ref` on random batches from
-  `random_paged_inputs`: GQA ratios 1, 3 and 4 (and MQA), block sizes 1, 7 and 16, lengths that
-  are and are not block multiples, and garbage block ids past the end of every table row.
+  `random_paged_inputs`, handed to the learner with the pool laid out
+  `[num_blocks, num_kv_heads, block_size, head_dim]`: GQA ratios 1, 3 and 4 (and MQA), block sizes
+  1, 7 and 16, lengths that are and are not block multiples, garbage block ids past every row's end.
 * The real-model check runs SmolLM2-135M (the tiny random Llama if SmolLM2 is not installed)
   with `PagedKVCache(..., block_size=7, allocator=MyBlockAllocator(n), table_cls=MyBlockTable)`
   and wants DynamicCache's greedy tokens, then every block back after `cache.reset()`.
-  Measured on 2 busy CPU cores: about 5 s with SmolLM2 (most of it loading the model, once per
-  process) on one torch thread (see `_one_thread`); the whole grading takes about 11 s.
 
 Every failure message names the failing input: the operation sequence, the shapes, the row.
+
+Delegation: the graded classes and function may use `minikv.blocks.OutOfBlocks` and `blocks_for`
+(and torch); minikv's `BlockAllocator`, `BlockTable` and `minikv.attention.paged_attention_ref` (and
+the kernel) are forbidden in them (`FORBIDDEN`). Checks hand the learner's table a minikv
+`BlockAllocator` that lives in the grader: that one it may, and must, use.
 """
 
 from __future__ import annotations
@@ -35,9 +43,13 @@ from hypothesis import strategies as st
 
 from minikv.attention import paged_attention_ref, random_paged_inputs
 from minikv.blocks import BlockAllocator, BlockTable, blocks_for
-from minikv.grading import NotImplementedYet, call, learner
+from minikv.grading import NotImplementedYet, call, learner, peek
 
-MANY = settings(max_examples=200, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
+GRADED = ["MyBlockAllocator", "MyBlockTable", "my_paged_attention"]
+FORBIDDEN = ["minikv.blocks.BlockAllocator", "minikv.blocks.BlockTable", "minikv.attention.paged_attention_ref",
+             "minikv.paged.PagedKVCache", "kernels.paged_attention.paged_attention"]
+
+MANY = settings(max_examples=100, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
 OUT_OF_BLOCKS_ERRORS = (RuntimeError, MemoryError)  # minikv's OutOfBlocks is a RuntimeError
 TABLE_BLOCK_SIZES = (1, 2, 3, 5, 7, 16)
 
@@ -119,16 +131,20 @@ def replay_allocator(cls, n: int, ops) -> None:
         return attr[1]
 
     def compare_state(after: str):
-        for name in ("num_blocks", "num_free", "num_used"):
-            got, want = learner_value(name), getattr(ref, name)
-            if got != want:
-                fail(f"{after}a.{name} is {got!r}, expected {want}")
-        for b in range(n):
-            got = _outcome(lambda: call(mine.refcount, b))
+        names = ("num_blocks", "num_free", "num_used")
+        got_all = peek(mine, [*names, *[("refcount", b) for b in range(n)]])  # one round trip
+        for name, got in zip(names, got_all):
+            want = getattr(ref, name)
+            if got[0] == "raised":
+                fail(f"{after}reading a.{name} raised {type(got[1]).__name__}: {got[1]}")
+            if got[1] != want:
+                fail(f"{after}a.{name} is {got[1]!r}, expected {want}")
+        for b, got in enumerate(got_all[len(names):]):
             want = ref.refcount(to_ref[b])
             if got != ("ok", want):
                 fail(f"{after}a.refcount({b}) {_describe(got)}, expected {want}")
 
+    stack = list(range(n - 1, -1, -1))  # the learner's free blocks, the next to hand out last (LIFO)
     fresh = learner_value("num_free")
     if fresh != n:
         fail(f"a fresh allocator has num_free = {fresh!r}, expected {n}"
@@ -164,11 +180,18 @@ def replay_allocator(cls, n: int, ops) -> None:
                 if m not in free_before:
                     fail(f"{shown} returned block {m}, which is already allocated (refcount "
                          f"{ref.refcount(to_ref[m])}): a block must leave the free list when it is handed out")
+                if m != stack[-1]:
+                    fail(f"{shown} returned block {m}, expected block {stack[-1]}: last in, first out, the block "
+                         f"freed most recently goes first, and a fresh pool hands out 0, 1, 2, ... (the free "
+                         f"blocks, next out last: {stack})")
+                stack.pop()
                 # Pair the learner's block m with the reference's new block: swap them in the permutation.
                 x = to_ref.index(want[1])
                 to_ref[m], to_ref[x] = want[1], to_ref[m]
                 shown = f"{shown} -> {m}"
-            elif name in ("free", "refcount") and got[1] != want[1]:
+            elif name == "free" and want[1] is True and got[1] is True:
+                stack.append(args[0])
+            if name in ("free", "refcount") and got[1] != want[1]:
                 what = {True: " (its last owner let go: it is free again)",
                         False: " (another owner still holds it)"}.get(want[1], "") if name == "free" else ""
                 fail(f"{shown} returned {got[1]!r}, expected {want[1]!r}{what}")
@@ -247,104 +270,155 @@ def check_allocator_errors(ns):
 
 # ---- (b) the block table ----------------------------------------------------------------
 
+class WindowTable(BlockTable):
+    """The reference: minikv's BlockTable, plus a sliding window. After each append, every block
+    whose tokens all lie before the last `window` tokens goes back to the allocator, and its entry
+    in `blocks` becomes -1 (so logical block i stays at index i). slots_for refuses those tokens."""
+
+    def __init__(self, block_size: int, allocator, window: int | None = None):
+        super().__init__(block_size, allocator)
+        self.window = window
+
+    def append_tokens(self, n: int) -> list[int]:
+        slots = super().append_tokens(n)
+        if self.window is not None:
+            for i in range(max(0, (self.num_tokens - self.window) // self.block_size)):
+                if self.blocks[i] != -1:
+                    self.allocator.free(self.blocks[i])
+                    self.blocks[i] = -1
+        return slots
+
+    def slots_for(self, positions):
+        positions = list(positions)
+        for t in positions:
+            if 0 <= t < self.num_tokens and self.blocks[t // self.block_size] == -1:
+                raise IndexError(f"token {t} fell out of the window: its block was given back")
+        return super().slots_for(positions)
+
+    def free(self) -> None:
+        for block in self.blocks:
+            if block != -1:
+                self.allocator.free(block)
+        self.blocks, self.num_tokens = [], 0
+
+
 @st.composite
-def table_programs(draw, small_pool: bool):
+def table_programs(draw, small_pool: bool, windows: bool = False):
     bs = draw(st.sampled_from(TABLE_BLOCK_SIZES))
     num_tables = draw(st.integers(1, 3))
     num_blocks = draw(st.integers(1, 10)) if small_pool else 2000
+    window = draw(st.integers(1, 4 * bs)) if windows else None
     table = st.integers(0, num_tables - 1)
     tokens = st.integers(0, 3 * bs + 2)
     op = st.one_of(*[st.tuples(st.just("append_tokens"), table, tokens)] * 3,
                    st.tuples(st.just("free"), table),
                    st.tuples(st.just("slots_for"), table, st.lists(st.integers(-1, 40), max_size=4)),
                    st.tuples(st.just("blocks_needed"), table, tokens))
-    return bs, num_blocks, num_tables, draw(st.lists(op, max_size=30))
+    return bs, num_blocks, num_tables, draw(st.lists(op, max_size=30)), window
 
 
-def replay_tables(cls, bs: int, num_blocks: int, num_tables: int, ops) -> None:
-    """Run `ops` on `num_tables` of the learner's tables and of minikv's, each side on its own
+def replay_tables(cls, bs: int, num_blocks: int, num_tables: int, ops, window: int | None = None) -> None:
+    """Run `ops` on `num_tables` of the learner's tables and of the reference's, each side on its own
     minikv BlockAllocator(num_blocks); raise AssertionError at the first difference.
 
-    Block ids may differ from minikv's (a table that frees its blocks in another order changes
-    which blocks the pool hands out next); what must hold is the structure: as many blocks and
-    tokens as minikv's table, each block taken from the pool and owned once, old blocks kept in
-    place, and every slot = blocks[t // block_size] * block_size + t % block_size."""
+    Block ids may differ from the reference's (a table that frees its blocks in another order changes
+    which blocks the pool hands out next); what must hold is the structure: as many blocks (and -1
+    entries, at the same places) and tokens as the reference, each block taken from the pool and
+    owned once, old blocks kept in place until the window drops them, and every slot =
+    blocks[t // block_size] * block_size + t % block_size."""
     ref_pool, my_pool = BlockAllocator(num_blocks), BlockAllocator(num_blocks)
-    refs = [BlockTable(bs, ref_pool) for _ in range(num_tables)]
-    mine = [call(cls, bs, my_pool) for _ in range(num_tables)]
+    refs = [WindowTable(bs, ref_pool, window) for _ in range(num_tables)]
+    extra = () if window is None else (window,)
+    mine = [call(cls, bs, my_pool, *extra) for _ in range(num_tables)]
     names = "abc"[:num_tables]
-    history = [f"pool = BlockAllocator({num_blocks}); " + ", ".join(names) + " = "
-               + ", ".join(f"MyBlockTable({bs}, pool)" for _ in names)]
+    made = f"MyBlockTable({bs}, pool{', ' + str(window) if window is not None else ''})"
+    history = [f"pool = BlockAllocator({num_blocks}); " + ", ".join(names) + " = " + ", ".join(made for _ in names)]
 
     def fail(problem: str):
         raise AssertionError(f"{'; '.join(history)}: {problem}")
 
-    def read(t, attr: str):
-        got = _outcome(lambda: call(getattr, t, attr))
-        if got[0] == "raised":
-            fail(f"reading .{attr} raised {type(got[1]).__name__}: {got[1]}")
-        return list(got[1]) if attr == "blocks" else got[1]
+    def read(t) -> tuple[list, int, int]:
+        got = peek(t, ["blocks", "num_tokens", ("__len__",)])  # one round trip
+        for what, g in zip((".blocks", ".num_tokens", "len()"), got):
+            if g[0] == "raised":
+                fail(f"reading {what} raised {type(g[1]).__name__}: {g[1]}")
+        try:
+            blocks = list(got[0][1])
+        except TypeError:
+            fail(f".blocks is {got[0][1]!r}, expected a list of block ids")
+        return blocks, got[1][1], got[2][1]
 
-    def compare_state(before_blocks):
-        for i, (r, m) in enumerate(zip(refs, mine)):
-            blocks, tokens = read(m, "blocks"), read(m, "num_tokens")
+    def compare_state(before_blocks, states):
+        for i, (r, (blocks, tokens, length)) in enumerate(zip(refs, states)):
             if tokens != r.num_tokens:
                 fail(f"then {names[i]}.num_tokens is {tokens!r}, expected {r.num_tokens}")
             if len(blocks) != len(r.blocks):
-                fail(f"then {names[i]}.blocks is {blocks} ({len(blocks)} blocks), expected {len(r.blocks)} block(s) "
+                fail(f"then {names[i]}.blocks is {blocks} ({len(blocks)} entries), expected {len(r.blocks)} "
                      f"for {r.num_tokens} token(s) of block_size {bs}")
-            got_len = _outcome(lambda: call(len, m))
-            if got_len != ("ok", len(r)):
-                fail(f"then len({names[i]}) {_describe(got_len)}, expected {len(r)} (its number of blocks)")
+            if length != len(r):
+                fail(f"then len({names[i]}) is {length!r}, expected {len(r)} (its number of block entries)")
+            dropped = [j for j, b in enumerate(r.blocks) if b == -1]
+            if [j for j, b in enumerate(blocks) if b == -1] != dropped:
+                fail(f"then {names[i]}.blocks = {blocks}; expected -1 exactly at {dropped or 'no entry'}: with a "
+                     f"window of {window} tokens, a block is given back once all its tokens are older than the "
+                     f"last {window} of the {r.num_tokens}" if window is not None else
+                     f"then {names[i]}.blocks = {blocks}: without a window no block is given back before free()")
             old = before_blocks[i]
-            if blocks[:len(old)] != old[:len(blocks)]:
+            if any(o != b and b != -1 for o, b in zip(old, blocks)):
                 fail(f"then {names[i]}.blocks changed from {old} to {blocks}: a table only appends new blocks "
-                     "at the end (or gives all of them back in free())")
-            if any(not isinstance(b, int) or not 0 <= b < num_blocks or my_pool.refcount(b) != 1 for b in blocks):
-                fail(f"then {names[i]}.blocks = {blocks} holds a block the pool has not handed out: take each "
-                     "block with allocator.allocate()")
-        owners = [b for t in mine for b in read(t, "blocks")]
+                     "at the end (or gives old ones back, as -1, or all of them in free())")
+            if any(not isinstance(b, int) or not 0 <= b < num_blocks or my_pool.refcount(b) != 1
+                   for b in blocks if b != -1):
+                fail(f"then {names[i]}.blocks = {blocks} holds a block the pool has not handed out (or gave "
+                     "back): take each block with allocator.allocate()")
+        owners = [b for blocks, _, _ in states for b in blocks if b != -1]
         if len(set(owners)) != len(owners):
             fail("then a block is in two tables, or twice in one: "
-                 + ", ".join(f"{n}.blocks = {read(t, 'blocks')}" for n, t in zip(names, mine)))
+                 + ", ".join(f"{n}.blocks = {st_[0]}" for n, st_ in zip(names, states)))
         if my_pool.num_free != ref_pool.num_free:
-            fail(f"then the pool has {my_pool.num_free} free blocks, expected {ref_pool.num_free}")
+            fail(f"then the pool has {my_pool.num_free} free blocks, expected {ref_pool.num_free}"
+                 + (": did the table give back the blocks that fell out of the window?" if window else ""))
 
+    before = [read(t)[0] for t in mine]
     for op in ops:  # (no comparison before the first op: a fresh table's state is the given __init__)
         name, i, args = op[0], op[1], op[2:]
         r, m = refs[i], mine[i]
-        before = [read(t, "blocks") for t in mine]
         free_before = my_pool.num_free
         want = _outcome(lambda: getattr(r, name)(*args))
         got = _outcome(lambda: call(getattr(m, name), *args))
         history.append(f"{names[i]}.{name}({', '.join(map(repr, args))})")
+        states = [read(t) for t in mine]
         if want[0] == "raised":
-            if name == "append_tokens":
+            if name == "append_tokens" and isinstance(want[1], OUT_OF_BLOCKS_ERRORS):
                 if not (got[0] == "raised" and isinstance(got[1], OUT_OF_BLOCKS_ERRORS)):
                     fail(f"it needs {want[1].needed} new block(s) but the pool has {want[1].free} free: it "
                          f"{_describe(got)}; expected OutOfBlocks (any RuntimeError or MemoryError)")
-                after, tokens = read(m, "blocks"), read(m, "num_tokens")
+                after, tokens, _ = states[i]
                 if after != before[i] or tokens != r.num_tokens or my_pool.num_free != free_before:
                     fail(f"it rightly failed ({want[1].needed} block(s) needed, {want[1].free} free), but not "
                          f"all-or-nothing: {names[i]}.blocks went from {before[i]} to {after}, num_tokens to "
                          f"{tokens} (expected {r.num_tokens}), the pool's free blocks from {free_before} to "
                          f"{my_pool.num_free}. Compare blocks_needed(n) with allocator.num_free before taking any block")
-            elif not (got[0] == "raised" and isinstance(got[1], type(want[1]))):
+            elif not (got[0] == "raised" and isinstance(got[1], next(
+                    t for t in (IndexError, ValueError, type(want[1])) if isinstance(want[1], t)))):
                 fail(f"it {_describe(got)}; expected {type(want[1]).__name__} ({want[1]})")
-            compare_state(before)
+            compare_state(before, states)
+            before = [s_[0] for s_ in states]
             continue
         if got[0] == "raised":
-            fail(f"it raised {type(got[1]).__name__}: {got[1]}; minikv's BlockTable {_describe(want)}")
-        compare_state(before)
+            fail(f"it raised {type(got[1]).__name__}: {got[1]}; the reference {_describe(want)}")
+        compare_state(before, states)
+        before = [s_[0] for s_ in states]
         if name in ("append_tokens", "slots_for"):
-            blocks = read(m, "blocks")
             positions = list(range(r.num_tokens - args[0], r.num_tokens)) if name == "append_tokens" else args[0]
-            expected = [blocks[t // bs] * bs + t % bs for t in positions]  # in the learner's own blocks
+            blocks = states[i][0]  # the learner's own blocks (-1: given back, its slots no longer checkable)
             try:
                 slots = _ints(got[1])
             except (TypeError, ValueError):
                 fail(f"it returned {got[1]!r}; expected a list of ints (slots)")
-            if slots != expected:
+            expected = [blocks[t // bs] * bs + t % bs for t in positions]
+            held = [k for k, t in enumerate(positions) if blocks[t // bs] != -1]
+            if len(slots) != len(positions) or [slots[k] for k in held] != [expected[k] for k in held]:
                 which = f" of tokens {positions[0]}..{positions[-1]}" if name == "append_tokens" and positions else ""
                 fail(f"it returned slots {slots}, expected {expected}{which}: token t lives at slot "
                      f"blocks[t // {bs}] * {bs} + t % {bs}, and {names[i]}.blocks = {blocks}")
@@ -373,6 +447,17 @@ def check_block_table_all_or_nothing(ns):
     _hypothesis(MANY(given(table_programs(small_pool=True))(lambda prog: replay_tables(cls, *prog))))
 
 
+def check_block_table_sliding_window(ns):
+    cls = _table_cls(ns)
+    # blocks of 4, a window of 6 tokens: after 10 tokens, tokens 0..3 (block 0) are all out of it.
+    replay_tables(cls, 4, 16, 1, [("append_tokens", 0, 9), ("append_tokens", 0, 1), ("slots_for", 0, [4, 9]),
+                                  ("slots_for", 0, [3]), ("append_tokens", 0, 7), ("free", 0)], window=6)
+    for bs in (1, 3, 16):  # one token at a time, as decoding does
+        replay_tables(cls, bs, 64, 1, [("append_tokens", 0, 1)] * (3 * bs + 2), window=bs + 1)
+    _hypothesis(MANY(given(table_programs(small_pool=False, windows=True))(lambda prog: replay_tables(cls, *prog))))
+    _hypothesis(MANY(given(table_programs(small_pool=True, windows=True))(lambda prog: replay_tables(cls, *prog))))
+
+
 # ---- (c) paged attention ------------------------------------------------------------------
 
 def attention_cases(groups, count: int, seed: int):
@@ -398,6 +483,9 @@ def compare_attention(fn, lens, num_heads, num_kv_heads, head_dim, block_size, s
     want = paged_attention_ref(*inputs, scale)
     shape = (f"seq_lens={lens}, num_heads={num_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim}, "
              f"block_size={block_size}, block_tables={inputs.block_tables.tolist()}")
+    # The learner's pool is head-major: [num_blocks, num_kv_heads, block_size, head_dim].
+    inputs = inputs._replace(key_cache=inputs.key_cache.transpose(1, 2).contiguous(),
+                             value_cache=inputs.value_cache.transpose(1, 2).contiguous())
     args = [t.clone() for t in inputs]
     try:
         got = call(fn, *args, scale)
@@ -520,6 +608,6 @@ def check_real_model_with_your_allocator_and_table(ns):
 
 
 CHECKS = [check_allocator_matches_minikv_on_random_operations, check_allocator_errors,
-          check_block_table_slots, check_block_table_all_or_nothing,
+          check_block_table_slots, check_block_table_all_or_nothing, check_block_table_sliding_window,
           check_paged_attention_multi_head, check_paged_attention_grouped_query,
           check_real_model_with_your_allocator_and_table]
