@@ -562,6 +562,7 @@ class Sandbox:
         self.channel.on_eof = self._died
         self.channel.on_broken = self._broken
         self.namespace = RemoteNamespace(self.channel, self.flagged)
+        self.namespace.cells = [source for source, _ in self.cells]  # the submission's code, as the grader read it
         try:
             self.channel.send(("start", list(self.cells), tuple(self.tripwires)))
             while True:  # the child runs the cells, saying which one it starts

@@ -1,23 +1,36 @@
-"""Checks for exercise 04 (kernel): the inner loop of the learner's Triton paged-attention kernel.
+"""Checks for exercise 04 (kernel): the inner loop of the learner's Triton paged-attention kernel,
+for a model with a sliding window.
 
 The learner's notebook defines `paged_attention_kernel` (a `@triton.jit` function whose block loop
 they write) and `exercise_paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-scale)`, which launches it. Every check runs it under Triton's interpreter on small CPU tensors and
-compares it with `minikv.attention.paged_attention_ref` on shapes that hypothesis draws
-(derandomized, no shrinking: a failing kernel costs the interpreter real time per example). Each
-failure names the shape and the largest error.
+scale, window=None)`, which launches it. Notebook 04 prints minikv's kernel loop, which attends to
+every cached token; here a sequence attends only to its last `window` tokens (Mistral, Gemma's local
+layers), so the loop must start at the first block of the window and mask the tokens before it.
+Every check runs the kernel under Triton's interpreter on small CPU tensors and compares it with
+`minikv.attention.paged_attention_ref` on shapes that hypothesis draws (derandomized, no shrinking:
+a failing kernel costs the interpreter real time per example). With a window, the reference runs on
+each sequence's last `window` tokens, copied into a fresh pool. Each failure names the shape and the
+largest error.
 
 The inputs are laid out like a busy pool, and hostile where a real one may be: every slot a sequence
 does not own holds NaN (past its length in its last block, the blocks its table's tail points at,
-two blocks past the end of the pool), as uninitialised GPU memory may. A kernel that reads any of
+two blocks past the end of the pool), as uninitialised GPU memory may; with a window, so does every
+slot before the window, and the table entries of blocks wholly before it point at a NaN block (a
+sliding-window cache gives those blocks back, as exercise 03's table does). A kernel that reads any of
 them without masking returns NaN, and the check says so. One rule cannot be seen on small inputs,
 the int64 block number (an int32 offset wraps only in a pool of 2**31 elements). The last check only
-looks for the name `int64` among the names the kernel's code uses: a weak proxy, which cannot tell
-whether it is the block number that gets widened, nor whether it is widened before the multiplication.
+looks for `int64` among the names the kernel's source uses: a weak proxy, which cannot tell whether
+it is the block number that gets widened, nor whether it is widened before the multiplication.
+
+Delegation: the kernel and its wrapper may use `minikv.attention.check_paged_attention_inputs` (the
+given wrapper does); `minikv.attention.paged_attention_ref` (used by the given `try_it`, which is not
+graded) and the course's kernel `kernels.paged_attention` are forbidden in graded code (`FORBIDDEN`).
 """
 
 from __future__ import annotations
 
+import ast
+import textwrap
 import warnings
 
 import numpy as np
@@ -26,7 +39,11 @@ from hypothesis import Phase, given, settings, strategies as st
 
 from minikv.attention import PagedInputs, paged_attention_ref, random_paged_inputs
 from minikv.blocks import blocks_for
-from minikv.grading import NotImplementedYet, call, learner
+from minikv.grading import NotImplementedYet, call, learner, source_of
+
+GRADED = ["paged_attention_kernel", "exercise_paged_attention"]
+FORBIDDEN = ["minikv.attention.paged_attention_ref", "kernels.paged_attention.paged_attention",
+             "kernels.paged_attention.paged_attention_kernel"]
 
 # Few examples, no shrinking: each example is a kernel launch under the interpreter (~0.1 s).
 SOME = settings(max_examples=10, deadline=None, database=None, derandomize=True,
@@ -40,17 +57,61 @@ class Case:
     """One decode batch with its shape spelled out for failure messages."""
 
     def __init__(self, lengths, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32,
-                 spare=1, seed=0):
+                 spare=1, seed=0, window=None):
         self.lengths, self.num_heads, self.num_kv_heads = list(lengths), num_heads, num_kv_heads
-        self.head_dim, self.block_size, self.dtype = head_dim, block_size, dtype
+        self.head_dim, self.block_size, self.dtype, self.window = head_dim, block_size, dtype, window
         self.inputs = poisoned_inputs(self.lengths, num_heads, num_kv_heads, head_dim, block_size, dtype,
                                       spare, seed)
+        if window is not None:
+            self.inputs = outside_the_window(self.inputs, self.lengths, block_size, window)
         self.scale = head_dim**-0.5
 
     def __str__(self) -> str:
         return (f"{len(self.lengths)} seqs, {self.num_heads} heads / {self.num_kv_heads} kv heads, "
                 f"head_dim {self.head_dim}, block_size {self.block_size}, lengths {self.lengths}, "
-                f"{str(self.dtype).removeprefix('torch.')}")
+                f"{str(self.dtype).removeprefix('torch.')}" + (f", window {self.window}" if self.window else ""))
+
+    def reference(self) -> torch.Tensor:
+        if self.window is None:
+            return paged_attention_ref(*self.inputs, self.scale)  # never reads a NaN slot
+        return windowed_reference(self.inputs, self.lengths, self.block_size, self.window, self.scale)
+
+
+def outside_the_window(x: PagedInputs, lengths, block_size: int, window: int) -> PagedInputs:
+    """NaN in every slot before each sequence's last `window` tokens; the table entries of blocks
+    wholly before the window point at a NaN block (the first of the two past the pool's end)."""
+    key_cache, value_cache, tables = x.key_cache.clone(), x.value_cache.clone(), x.block_tables.clone()
+    nan_block = key_cache.shape[0] - 2
+    for row, n in enumerate(lengths):
+        start = max(0, n - window)  # the first token in the window
+        tables[row, : start // block_size] = nan_block
+        if start % block_size:
+            first = int(tables[row, start // block_size])
+            key_cache[first, : start % block_size] = value_cache[first, : start % block_size] = float("nan")
+    return x._replace(key_cache=key_cache, value_cache=value_cache, block_tables=tables)
+
+
+def windowed_reference(x: PagedInputs, lengths, block_size: int, window: int, scale: float) -> torch.Tensor:
+    """minikv's paged_attention_ref on each sequence's last `window` tokens, copied into a fresh pool."""
+    keys, values = [], []
+    for row, n in enumerate(lengths):
+        positions = range(max(0, n - window), n)
+        blocks = [int(x.block_tables[row, t // block_size]) for t in positions]
+        keys.append(torch.stack([x.key_cache[b, t % block_size] for b, t in zip(blocks, positions)]))
+        values.append(torch.stack([x.value_cache[b, t % block_size] for b, t in zip(blocks, positions)]))
+    kept = [len(k) for k in keys]
+    per_seq = [blocks_for(n, block_size) for n in kept]
+    pool_k = torch.zeros(sum(per_seq), block_size, *x.key_cache.shape[2:], dtype=x.key_cache.dtype)
+    pool_v = torch.zeros_like(pool_k)
+    tables = torch.zeros(len(lengths), max(per_seq), dtype=torch.int32)
+    first = 0
+    for row, (k, v, nb) in enumerate(zip(keys, values, per_seq)):
+        pad = nb * block_size - len(k)
+        pool_k[first:first + nb] = torch.cat([k, k.new_zeros(pad, *k.shape[1:])]).view(nb, block_size, *k.shape[1:])
+        pool_v[first:first + nb] = torch.cat([v, v.new_zeros(pad, *v.shape[1:])]).view(nb, block_size, *v.shape[1:])
+        tables[row, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
+        first += nb
+    return paged_attention_ref(x.query, pool_k, pool_v, tables, torch.tensor(kept, dtype=torch.int32), scale)
 
 
 def poisoned_inputs(lengths, num_heads, num_kv_heads, head_dim, block_size, dtype, spare, seed) -> PagedInputs:
@@ -106,7 +167,9 @@ def run(ns: dict, case: Case) -> torch.Tensor:
         # A kernel that reads NaN slots makes numpy warn from inside the interpreter; the verdict says it better.
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore", RuntimeWarning)
-            return call(wrapper, *case.inputs, case.scale)
+            if case.window is None:
+                return call(wrapper, *case.inputs, case.scale)
+            return call(wrapper, *case.inputs, case.scale, window=case.window)
     except NotImplementedYet:
         raise
     except Exception as err:
@@ -125,7 +188,7 @@ def run(ns: dict, case: Case) -> torch.Tensor:
 
 def compare(ns: dict, case: Case, advice: str = "") -> None:
     got = run(ns, case)
-    want = paged_attention_ref(*case.inputs, case.scale)  # never reads a NaN slot
+    want = case.reference()
     assert isinstance(got, torch.Tensor) and got.shape == want.shape, (
         f"exercise_paged_attention returned {type(got).__name__} "
         f"{tuple(got.shape) if isinstance(got, torch.Tensor) else ''}, expected shape {tuple(want.shape)} [{case}]")
@@ -135,7 +198,8 @@ def compare(ns: dict, case: Case, advice: str = "") -> None:
         raise AssertionError(
             f"NaN in the output (sequence {seq}, length {case.lengths[seq]}) on {case}: the kernel used a slot that "
             f"holds no token of that sequence, and here every such slot holds NaN, as unwritten memory may "
-            f"(past seq_len in the last block, past BLOCK_SIZE in a padded tile, in blocks the table's tail points to)")
+            f"(past seq_len in the last block, past BLOCK_SIZE in a padded tile, in blocks the table's tail points to"
+            + (", before the window" if case.window else "") + ")")
     atol, rtol = TOLERANCE[case.dtype]
     err = (got - want).abs()
     bad = err > atol + rtol * want.abs()
@@ -154,14 +218,16 @@ def _hypothesis(strategy, check) -> None:
 # --- strategies: small shapes, since the interpreter runs every program in Python ----------------
 
 def cases(*, lengths, groups=(1,), kv_heads=(1, 2), head_dims=(16, 32), block_sizes=(4, 8, 16),
-          dtype=torch.float32, spare=1):
-    """Cases whose lengths come from `lengths(block_size)`, a strategy for a list of ints."""
+          dtype=torch.float32, spare=1, windows=None):
+    """Cases whose lengths come from `lengths(block_size)`, a strategy for a list of ints, and whose
+    window (None: no window) from `windows(block_size)`."""
     @st.composite
     def draw_case(draw):
         block_size = draw(st.sampled_from(block_sizes))
         kv, group = draw(st.sampled_from(kv_heads)), draw(st.sampled_from(groups))
+        window = draw(windows(block_size)) if windows else None
         return Case(draw(lengths(block_size)), kv * group, kv, draw(st.sampled_from(head_dims)), block_size,
-                    dtype, spare, draw(st.integers(0, 10_000)))
+                    dtype, spare, draw(st.integers(0, 10_000)), window)
     return draw_case()
 
 
@@ -219,18 +285,33 @@ def check_float16_cache(ns):
                 lambda case: compare(ns, case, advice))
 
 
+def check_sliding_window(ns):
+    advice = ("a window of W tokens: start at the block holding token seq_len - W, and mask the tokens before it; "
+              "blocks wholly before the window were given back (their table entries point anywhere)")
+    compare(ns, Case([10, 3], 2, 1, 16, 4, window=6), advice)
+    compare(ns, Case([17], 4, 2, 16, 4, window=1), advice)
+    _hypothesis(cases(lengths=lambda bs: st.lists(st.integers(1, 5 * bs), min_size=1, max_size=3),
+                      groups=(1, 2), block_sizes=(3, 4, 8), spare=2,
+                      windows=lambda bs: st.integers(1, 3 * bs)),
+                lambda case: compare(ns, case, advice))
+
+
 def check_block_number_widened_to_int64(ns):
-    """Only a name check: passes when `int64` appears among the kernel's code names (e.g. `tl.int64`).
+    """Only a name check: passes when `int64` appears among the kernel's source names (e.g. `tl.int64`).
 
     It cannot see which value is converted or when, so a kernel that widens something else, or widens
     the block number after multiplying it, passes too; a reader of the code must judge that."""
     # The kernel must run (a stub says "not implemented yet" here too); its answers are the other checks' job.
     run(ns, Case([5], 2, 2, 16, 4))
     # The one rule no small test can catch: physical * stride_kb in int32 wraps once the pool holds
-    # 2**31 elements (4 GiB of fp16), and only a pool that big would show it. So look at the code.
-    kernel = learner(ns, "paged_attention_kernel")
-    fn = getattr(kernel, "fn", kernel)
-    names = getattr(getattr(fn, "__code__", None), "co_names", ())
+    # 2**31 elements (4 GiB of fp16), and only a pool that big would show it. So look at the code:
+    src = source_of(ns, "paged_attention_kernel")
+    try:
+        tree = ast.parse(textwrap.dedent(src)) if isinstance(src, str) else None
+    except SyntaxError:
+        tree = None
+    names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | {
+        n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} if tree else set()
     assert "int64" in names, (
         "the kernel never converts to tl.int64: cast the block number you load from block_tables with "
         ".to(tl.int64) before multiplying it by stride_kb; in int32, physical * stride_kb wraps around past "
@@ -239,4 +320,4 @@ def check_block_number_widened_to_int64(ns):
 
 CHECKS = [check_one_full_block, check_partial_last_block, check_many_scattered_blocks_garbage_past_the_end,
           check_grouped_query_heads, check_block_size_not_a_power_of_two, check_float16_cache,
-          check_block_number_widened_to_int64]
+          check_sliding_window, check_block_number_widened_to_int64]
