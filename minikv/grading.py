@@ -252,6 +252,7 @@ class Report:
     seconds: float = 0.0
     reason: str = ""      # why it is not full marks, in one line ("" when it is)
     notes: list[str] = field(default_factory=list)  # cells that raised, and the like
+    round_trips: int = 0  # calls from the grader into the submission's process
 
     @property
     def passed(self) -> int:
@@ -266,7 +267,7 @@ class Report:
         total = len(self.results)
         return {"path": self.path, "exercise": self.exercise, "passed": self.passed, "total": total,
                 "score": f"{self.passed}/{total}", "percent": 100 * self.passed // max(total, 1),
-                "seconds": round(self.seconds, 1), "reason": self.reason,
+                "seconds": round(self.seconds, 1), "round_trips": self.round_trips, "reason": self.reason,
                 "checks": {r.name: ("PASS" if r.passed else "FAIL") for r in self.results}}
 
 
@@ -304,6 +305,7 @@ def grade_submission(path: str | Path, timeout: float = 300, memory_gb: float | 
                 report.results = run_checks(list(module.CHECKS), _Dead(box.death))
             else:
                 report.results = run_checks(list(module.CHECKS), box.namespace)
+            report.round_trips = box.channel.next_request
     except ChildDied as err:  # while shutting down: the verdicts stand, the reason is recorded
         report.reason = err.reason
     except Exception as err:  # noqa: BLE001 - the grader itself failed on this submission

@@ -412,7 +412,7 @@ class Channel:
 
     # -- calls --
     def request(self, op: str, target, args=(), kwargs=None):
-        self.next_request += 1
+        self.next_request += 1  # also the count of round trips this side started
         rid = self.next_request
         self.send(("req", rid, op, target, tuple(args), dict(kwargs or {})))
         return self.wait(rid, target)

@@ -101,3 +101,105 @@ def test_a_crash_inside_a_library_points_at_the_learners_cell():
 
     (result,) = run_checks([check_calls_f], ns)
     assert result.message.endswith("(line 3 of <03_paged.ipynb cell 7>)"), result.message
+
+
+# ---- the sandbox: proxies, exceptions, delegation ------------------------------------------------
+
+from minikv.delegation import find_delegation  # noqa: E402
+from minikv.grading import peek  # noqa: E402
+from minikv.sandbox import ChildDied, Delegation, Sandbox  # noqa: E402
+
+LEARNER = '''
+class OutOfRoom(RuntimeError):
+    pass
+
+class Pool:
+    def __init__(self, n):
+        self.free = list(range(n))
+    def take(self):
+        if not self.free:
+            raise OutOfRoom("empty")
+        return self.free.pop()
+    def pair(self):
+        return (self.take(), [self.take()])
+
+class User:
+    def __init__(self, pool):
+        self.pool = pool          # a proxy, when the grader hands over one of its own objects
+    def grab(self, k):
+        return [self.pool.allocate() for _ in range(k)]
+
+def make(n):
+    return Pool(n)
+
+def stub():
+    raise NotImplementedError("not implemented yet: stub")
+'''
+
+
+def test_sandbox_proxies_classes_instances_and_the_graders_objects():
+    from minikv.blocks import BlockAllocator
+
+    with Sandbox([(LEARNER, "<t cell 0>")], timeout=60, memory_bytes=None) as box:
+        ns = box.namespace
+        assert not box.death and "Pool" in ns and "nothing" not in ns
+        pool = ns["Pool"](3)                    # a class proxy makes an instance in the child
+        assert pool.take() == 2 and pool.pair() == (1, [0])  # values come back as plain data
+        with pytest.raises(RuntimeError) as err:
+            pool.take()
+        assert type(err.value).__name__ == "OutOfRoom" and str(err.value) == "empty"
+        assert err.value.where.startswith("line ")
+        assert ns["make"](3) is not None and ns["make"](3).free == [0, 1, 2]
+        mine = BlockAllocator(4)                # a grader object handed to learner code stays here
+        user = ns["User"](mine)
+        assert user.grab(3) == [0, 1, 2] and mine.num_free == 1
+        assert peek(pool, ["free", ("take",)])[0] == ("ok", [])
+        with pytest.raises(NotImplementedError):
+            ns["stub"]()
+
+
+def test_sandbox_child_death_and_time_limit():
+    with Sandbox([("import os\nos._exit(3)\n", "<t cell 0>")], timeout=60, memory_bytes=None) as box:
+        assert "exited with status 3" in box.death and "<t cell 0>" in box.death
+    with Sandbox([("def spin():\n    while True:\n        pass\n", "<t cell 0>")], timeout=3,
+                 memory_bytes=None) as box:
+        with pytest.raises(ChildDied, match="time limit"):
+            box.namespace["spin"]()
+
+
+def test_runtime_tripwire_catches_hidden_delegation():
+    src = ("import minikv.sizing as s\nf = getattr(s, 'kv_bytes_' + 'per_token')\n"
+           "def mine(cfg):\n    return f(cfg)\n")
+    with Sandbox([(src, "<t cell 0>")], timeout=60, memory_bytes=None,
+                 tripwires=("minikv.sizing.kv_bytes_per_token",)) as box:
+        with pytest.raises(Delegation, match="minikv.sizing.kv_bytes_per_token"):
+            box.namespace["mine"]({"num_hidden_layers": 1, "num_attention_heads": 1, "hidden_size": 8})
+
+
+@pytest.mark.parametrize("cells, flagged", [
+    (["from minikv.sizing import kv_bytes_per_token\n"], "imported"),
+    (["import minikv.sizing as s\ndef kv_bytes_per_token(c, b):\n    return s.kv_bytes_per_token(c)\n"], "uses"),
+    (["from minikv.blocks import BlockAllocator\nclass kv_bytes_per_token(BlockAllocator):\n    pass\n"], "uses"),
+    (["import minikv.sizing as s\ndef helper(c):\n    return getattr(s, 'kv_bytes_per_token')(c)\n",
+      "def kv_bytes_per_token(c, b):\n    return helper(c)\n"], "through `helper`"),
+    (["def kv_bytes_per_token(c, b):\n    return __import__('minikv').sizing\n"], "dynamically"),
+])
+def test_static_delegation(cells, flagged):
+    found = find_delegation(cells, ["kv_bytes_per_token"], ["minikv.sizing.kv_bytes_per_token",
+                                                             "minikv.blocks.BlockAllocator"])
+    assert flagged in found["kv_bytes_per_token"]
+
+
+def test_static_delegation_allows_other_helpers():
+    cells = ["from minikv.sizing import ModelShape\nfrom minikv.attention import paged_attention_ref\n",
+             "def kv_bytes_per_token(c, b):\n    s = ModelShape.from_config(c)\n    return 2 * s.num_layers * b\n",
+             "def try_it():\n    return paged_attention_ref\n"]
+    assert find_delegation(cells, ["kv_bytes_per_token"], ["minikv.sizing.kv_bytes_per_token",
+                                                           "minikv.attention.paged_attention_ref"]) == {}
+
+
+def test_notebook_self_check_says_so(capsys):
+    grade("01", {"In": ["from minikv.sizing import kv_cache_bytes\n"], "kv_cache_bytes": lambda *a: 0})
+    out = capsys.readouterr().out
+    assert "self-check" in out and "python -m minikv grade" in out
+    assert "is minikv's minikv.sizing.kv_cache_bytes" in out
