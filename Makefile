@@ -60,9 +60,11 @@ bench-memory: $(STAMP)
 bench-kernel: $(STAMP)
 	$(BIN)/python -m minikv bench kernel
 
+# NB may be a notebook or a folder of them (a gradebook); e.g. make grade NB=submissions/ JOBS=2 CSV=book.csv
 NB ?= exercises/01_bytes.ipynb
+JOBS ?= 1
 grade: $(STAMP)
-	$(BIN)/python -m minikv grade $(NB)
+	$(BIN)/python -m minikv grade $(NB) --jobs $(JOBS) $(if $(CSV),--csv $(CSV))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

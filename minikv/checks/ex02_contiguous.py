@@ -6,6 +6,9 @@ Hand-picked edge cases first (each names what it is about), then hypothesis-draw
 then the simulator itself: a short ShareGPT-shaped trace replayed with the learner's first fit
 in place of minikv's, and the simulator's per-step books recomputed with the learner's
 `slab_waste`. Every failure message shows the input that disagrees.
+
+Delegation: the graded functions are plain Python over tuples and ints; minikv's own `first_fit`,
+`slab_waste`, `external_tokens` and the simulator's slab policies are forbidden in them (`FORBIDDEN`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from minikv.grading import call, learner
 from minikv.sim import (ContiguousMax, ContiguousOracle, ContiguousPow2, Seq, external_tokens, first_fit,
                         simulate, slab_waste)
 from minikv.traces import Request, make_trace
+
+GRADED = ["first_fit", "slab_waste", "external_fragmentation"]
+FORBIDDEN = ["minikv.sim.first_fit", "minikv.sim.slab_waste", "minikv.sim.external_tokens", "minikv.sim._Slabs",
+             "minikv.sim.ContiguousMax", "minikv.sim.ContiguousOracle", "minikv.sim.ContiguousPow2"]
 
 MANY = settings(max_examples=300, deadline=None, database=None, derandomize=True)
 
