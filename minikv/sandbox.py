@@ -333,7 +333,12 @@ class Channel:
         buf = io.BytesIO()
         _Pickler(buf, self).dump(msg)
         data = buf.getvalue()
-        self.sock.sendall(struct.pack("!Q", len(data)) + data)
+        try:
+            self.sock.sendall(struct.pack("!Q", len(data)) + data)
+        except OSError:  # the other side is gone (a broken pipe): say why, as a read would
+            if self.on_eof:
+                self.on_eof()
+            raise
 
     def _read(self, n: int) -> bytes:
         chunks, got = [], 0

@@ -24,7 +24,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTION = ROOT / "solutions" / "01_bytes.ipynb"
-WRONG = "\ndef kv_cache_bytes(config, context_len, dtype_bytes):\n    return 1\n"  # every check fails with it
+# A wrong answer for both functions: every check fails with it (unless the attack worked).
+WRONG = ("\ndef kv_cache_bytes(config, context_len, dtype_bytes):\n    return 1\n"
+         "\ndef conversations_that_fit(*args, **kwargs):\n    return -1\n")
 LIMITS = ["--timeout", "60", "--memory", "3"]
 
 # name -> (code added to the first graded cell, extra CLI options, a fragment every FAIL line or the reason shows)
@@ -122,8 +124,10 @@ def test_attack_is_refused(name, attack_runs):
     assert done.returncode != 0, f"{name}: exit status 0\n{out}"
     assert "(100%)" not in out.splitlines()[-1], out
     assert "score: 6/6" not in out.splitlines()[-1], out
-    fails = [line for line in out.splitlines() if line.startswith("FAIL")]
-    assert len(fails) == 6, out  # every check has its verdict line, none forged
+    verdicts = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert len(verdicts) == 6, out  # one verdict line per check, none forged
+    # (with the honest conversations_that_fit, "weights that do not fit" may pass: its answer is 0)
+    assert sum(line.startswith("FAIL") for line in verdicts) >= 5, out
     assert reason in out, f"{name}: expected {reason!r} in the verdicts\n{out}\n{done.stderr[-2000:]}"
     assert "Traceback" not in out + done.stderr, out + done.stderr
     limit = float(options[options.index("--timeout") + 1]) if "--timeout" in options else 60
