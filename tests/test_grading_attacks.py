@@ -78,7 +78,7 @@ ATTACKS = {
         "    types = config.get('layer_types') or ['sliding_attention' if w else 'full_attention'] * shape.num_layers\n"
         "    return per_layer * sum(min(context_len, w) if t == 'sliding_attention' and w else context_len for t in types)\n",
         [], "calls minikv's minikv.sizing.kv_bytes_per_token"),
-    "syntax error": ("\ndef kv_cache_bytes(config, context_len dtype_bytes):\n    return 1\n", [], "returned"),
+    "syntax error": ("\ndef kv_cache_bytes(config, context_len dtype_bytes):\n    return 1\n", [], "SyntaxError"),
 }
 
 
@@ -165,7 +165,7 @@ def test_a_batch_of_honest_hostile_and_broken_submissions(tmp_path):
     assert all(v == "PASS" for k, v in rows["alice"].items() if k.startswith("01: "))
     assert rows["bob"]["score"] == "0/6" and "not implemented yet" in rows["bob"]["reason"]
     assert rows["carol_exits"]["score"] == "0/6" and "exited with status 0" in rows["carol_exits"]["reason"]
-    assert rows["dave_syntax"]["score"] == "0/6" and "SyntaxError" not in rows["dave_syntax"]["score"]
+    assert rows["dave_syntax"]["score"] != "6/6" and "SyntaxError" in rows["dave_syntax"]["reason"]
     assert rows["erin"]["score"] == "0/0" and "not gradable" in rows["erin"]["reason"]
     assert "1/5 submissions with full marks" in done.stdout
 
