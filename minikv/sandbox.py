@@ -554,6 +554,9 @@ class Sandbox:
         self.log = tempfile.TemporaryFile()
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # graders run jobs side by side; the child's tensors are small
+        # The checks hand the child CPU tensors only, and CUDA's start-up reserves far more address space
+        # than the memory limit allows: the child sees no GPU.
+        env["CUDA_VISIBLE_DEVICES"] = ""
         env.pop("PYTHONSTARTUP", None)
         self.proc = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), str(child_sock.fileno()), str(self.memory_bytes or 0),
