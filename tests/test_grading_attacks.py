@@ -104,9 +104,11 @@ def grade_cli(*args, timeout: float = 300) -> tuple[subprocess.CompletedProcess,
 
 
 @pytest.fixture(scope="module")
-def attack_runs(tmp_path_factory):
-    """Every attack graded, two CLI processes at a time (the machine may have two cores)."""
+def attack_runs(request, tmp_path_factory):
+    """Every selected attack graded, two CLI processes at a time (the machine may have two cores)."""
     folder = tmp_path_factory.mktemp("attacks")
+    selected = [item.callspec.params["name"] for item in request.session.items
+                if getattr(item, "originalname", "") == "test_attack_is_refused" and hasattr(item, "callspec")]
 
     def run(name):
         code, options, _ = ATTACKS[name]
@@ -114,7 +116,7 @@ def attack_runs(tmp_path_factory):
         return name, grade_cli(path, *LIMITS, *options)
 
     with ThreadPoolExecutor(2) as pool:
-        return dict(pool.map(run, ATTACKS))
+        return dict(pool.map(run, selected or ATTACKS))
 
 
 @pytest.mark.parametrize("name", list(ATTACKS))
