@@ -278,7 +278,18 @@ def test_figures_draw(tmp_path):
     figs += [viz.occupancy_plot(results["contiguous max"]), viz.waste_breakdown(results),
              viz.block_size_plot(sweep_block_sizes(trace, sizes=(8, 32), budget_tokens=4096))]
     assert all(isinstance(f, Figure) for f in figs)
-    widget = viz.memory_map_widget(results["paged (block 16)"])
+    # the running count has its own axes below the bands (or a dashed twin line on a given ax)
+    assert len(viz.occupancy_plot(results["contiguous max"]).axes) == 2
+    ax = Figure().add_subplot()
+    assert len(viz.occupancy_plot(results["contiguous max"], ax=ax).axes) == 2
+    # outline_last outlines exactly the blocks that are not full: one per sequence at most
+    paged = results["paged (block 16)"]
+    step = viz.default_step(paged)
+    outlined = viz.memory_map(paged, step, outline_last=True).axes[0].collections[-1]
+    partial = [s for s in paged.snapshot(step) if s.live < s.size]
+    assert len(outlined.get_paths()) >= len(partial) > 0
+    assert len(partial) <= paged.timeline["running"][step]
+    widget = viz.memory_map_widget(paged, outline_last=True)
     bundle = widget._repr_mimebundle_()
     assert "image/png" in bundle and "application/vnd.jupyter.widget-view+json" in bundle
     first = widget.png
