@@ -47,6 +47,14 @@ the slab the sequence grows into before it ends is "reserved", the rest "interna
 Reports are averaged over the steps where the system is saturated (someone is waiting),
 the regime where wasted memory costs throughput.
 
+Steps are not all equally long. The memory books count steps; ``SimResult.timing(cost)``
+turns them into seconds with a simple model of the GPU (``StepCost``): each decode step
+reads the weights and every live token's K/V once (decode is bandwidth-bound); prefill
+(a prompt at admission) and *recompute* (a preempted sequence's tokens, prompt and output
+so far, computed again when it is readmitted) cost 2 x params FLOPs per token; a slab move
+reads and writes the tokens it copies. The timeline records, per step, the tokens decoded,
+prefilled, recomputed and copied, so every policy is charged for what it did.
+
 Default setup, from the paper (Kwon et al. 2023, Table 1): OPT-13B on one A100-40GB,
 26 GB of weights, 12 GB left for the KV cache at 800 KiB per token (2 x 40 layers x 5120
 x fp16) = 15,728 token slots ("15.7K"), ``max_seq_len`` 2,048 (OPT's context).
@@ -68,6 +76,34 @@ OPT13B_BYTES_PER_TOKEN = 2 * 40 * 5120 * 2  # K and V, 40 layers, hidden 5120, f
 DEFAULT_BUDGET_TOKENS = 12 * 2**30 // OPT13B_BYTES_PER_TOKEN  # 12 GiB of KV: 15,728 tokens
 DEFAULT_MAX_SEQ_LEN = 2048
 PARTS = ("live", "reserved", "internal", "external", "free")
+# Tokens of work per step, for timing: output tokens decoded, the K/V tokens those decode steps
+# read (each sequence attends over all its tokens), prompt tokens prefilled, tokens recomputed
+# after a preemption, tokens copied when a slab moved.
+WORK = ("decoded", "attended", "prefilled", "recomputed", "copied")
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """How long a step takes, for ``SimResult.timing``. The default is the paper's setup:
+    OPT-13B (12.85 B parameters, 26 GB of fp16 weights) on an A100-40GB (1,555 GB/s, 312 fp16
+    TFLOP/s, datasheet). Prefill is compute-bound and reaches ``prefill_efficiency`` of the
+    peak (0.5: a round figure, not a measurement); decode and copies run at full bandwidth,
+    so the model flatters decode and copies, and its ratios are what to read, not its seconds."""
+
+    weight_bytes: int = 12_853_473_280 * 2
+    num_params: int = 12_853_473_280
+    bandwidth_gb_s: float = 1555
+    fp16_tflops: float = 312
+    prefill_efficiency: float = 0.5
+
+    def seconds(self, decoded, attended_bytes, prefilled, recomputed, copied_bytes) -> dict[str, np.ndarray]:
+        """Per-step seconds, split by what they pay for (arrays in, arrays out)."""
+        bw, flops = self.bandwidth_gb_s * 1e9, self.fp16_tflops * 1e12 * self.prefill_efficiency
+        busy = np.asarray(decoded) > 0
+        return {"decode": busy * (self.weight_bytes + np.asarray(attended_bytes)) / bw,
+                "prefill": 2 * self.num_params * np.asarray(prefilled) / flops,
+                "recompute": 2 * self.num_params * np.asarray(recomputed) / flops,
+                "copy": 2 * np.asarray(copied_bytes) / bw}
 
 
 @dataclass(eq=False, slots=True)
@@ -82,6 +118,7 @@ class Seq:
     running: bool = False
     since: int = 0  # step of its current admission
     live0: int = 0  # tokens it was admitted with (prompt, or prompt + output so far)
+    preempted: int = 0  # times it was preempted: readmitting it recomputes its tokens
 
     def __post_init__(self) -> None:
         self.id, self.final = self.req.id, self.req.total_len
@@ -342,6 +379,29 @@ class SimResult:
     def utilization(self) -> float:
         return self.shares()["live"]
 
+    def timing(self, cost: StepCost | None = None) -> dict[str, float]:
+        """Seconds and throughput over the reported window under ``cost`` (default: the paper's
+        OPT-13B on an A100-40GB): each part of the time (``decode_s``, ``prefill_s``,
+        ``recompute_s``, ``copy_s``), output tokens per second with everything charged
+        (``tokens_per_s``) and with recompute and copies free (``uncharged_tokens_per_s``, what
+        counting steps alone would suggest), and the shares of the time spent recomputing
+        preempted sequences and copying slabs."""
+        cost = cost or StepCost()
+        t = self.timeline
+        # The saturated steps, as everywhere; in a run that never saturates, every step that worked.
+        w = self.window if (t["waiting"] > 0).any() else (t["decoded"] + t["prefilled"] + t["recomputed"]) > 0
+        secs = cost.seconds(t["decoded"], self.in_bytes("attended"), t["prefilled"], t["recomputed"],
+                            self.in_bytes("copied"))
+        parts = {k: float(v[w].sum()) for k, v in secs.items()}
+        total = sum(parts.values())
+        tokens = int(t["decoded"][w].sum())
+        return {**{f"{k}_s": v for k, v in parts.items()}, "seconds": total, "tokens": tokens,
+                "tokens_per_s": tokens / total if total else 0.0,
+                "uncharged_tokens_per_s": tokens / (parts["decode"] + parts["prefill"]) if total else 0.0,
+                "recompute_share": parts["recompute"] / total if total else 0.0,
+                "copy_share": parts["copy"] / total if total else 0.0,
+                "recomputed_tokens": int(t["recomputed"][w].sum()), "copied_tokens": int(t["copied"][w].sum())}
+
     def in_bytes(self, part: str) -> np.ndarray:
         """A timeline series (``live``, ``free``, ...) in bytes instead of tokens."""
         return self.timeline[part] * self.bytes_per_token
@@ -387,7 +447,7 @@ def simulate(trace: list[Request], policy: Policy, budget_tokens: int | None = N
     waiting: deque[Seq] = deque()
     running: list[Seq] = []  # in admission order: the last one is preempted first
     rejected: list[tuple[int, str]] = []
-    tl: dict[str, list[int]] = {k: [] for k in (*PARTS, "running", "waiting", "finished")}
+    tl: dict[str, list[int]] = {k: [] for k in (*PARTS, "running", "waiting", "finished", *WORK)}
     ext: list[list[int]] = []  # [seq, offset, size, first, start, end, live0, res_start, final]
     open_slots: dict[int, list[tuple[int, int]]] = {}  # seq id -> [(first_token, extent index)]
     preemptions, t = 0, 0
@@ -417,7 +477,8 @@ def simulate(trace: list[Request], policy: Policy, budget_tokens: int | None = N
             else:
                 waiting.append(Seq(req, req.prompt_len))
         # 2. Decode: one token per running sequence; preempt the youngest when there is no room.
-        finished = 0
+        finished = decoded = attended = prefilled = recomputed = 0
+        copied_before = policy.counters.get("copied_tokens", 0)
         for seq in list(running):  # oldest first, so the oldest always makes progress
             if not seq.running:
                 continue  # preempted earlier this step
@@ -425,6 +486,7 @@ def simulate(trace: list[Request], policy: Policy, budget_tokens: int | None = N
             while seq.live == seq.cap and not policy.grow(seq):  # full: ask the policy for room
                 victim = running[-1]
                 close(victim)  # recompute later: its tokens so far become its new "prompt"
+                victim.preempted += 1
                 waiting.appendleft(victim)
                 preemptions += 1
                 if victim is seq:
@@ -432,6 +494,7 @@ def simulate(trace: list[Request], policy: Policy, budget_tokens: int | None = N
             if not seq.running:
                 continue
             seq.live += 1
+            decoded, attended = decoded + 1, attended + seq.live
             seq.cap = policy.capacity(seq) if seq.live > before else before
             if seq.live == seq.final:
                 close(seq)
@@ -451,6 +514,10 @@ def simulate(trace: list[Request], policy: Policy, budget_tokens: int | None = N
                 blocked = head
                 break
             waiting.popleft()
+            if head.preempted:
+                recomputed += head.live  # prompt and output so far, computed again from scratch
+            else:
+                prefilled += head.live
             head.running, head.since, head.live0, head.cap = True, t, head.live, policy.capacity(head)
             running.append(head)
             open_slots[head.id] = []
@@ -471,6 +538,9 @@ def simulate(trace: list[Request], policy: Policy, budget_tokens: int | None = N
         tl["running"].append(len(running))
         tl["waiting"].append(len(waiting))
         tl["finished"].append(finished)
+        for k, v in zip(WORK, (decoded, attended, prefilled, recomputed,
+                               policy.counters.get("copied_tokens", 0) - copied_before)):
+            tl[k].append(v)
         t += 1
     bar.close()
     cols = ("seq", "offset", "size", "first", "start", "end", "live0", "res_start", "final")

@@ -14,7 +14,7 @@ redrawing in a loop or a widget does not pile up open figures.
 * ``memory_map_widget(result)``: the same map with a slider over time (ipywidgets). It
   also carries a PNG of the map, so where widgets are not rendered (a static notebook
   view, nbconvert) the map still shows; without ipywidgets it returns the Figure.
-* ``occupancy_plot(result)``: the breakdown of the budget over time, and how many
+* ``occupancy_plot(result)``: the breakdown of the budget over time, and below it how many
   sequences ran.
 * ``waste_breakdown(results)``: one stacked bar per policy, with the paper's range.
 * ``block_size_plot(results)``: paged utilization and last-block waste vs block size.
@@ -94,8 +94,11 @@ def _wrapped(start: int, length: int, width: int):
 
 
 def memory_map(result: SimResult, step: int | None = None, *, row_tokens: int = 512,
-               ax=None) -> Figure:
-    """The KV pool at the end of ``step`` (default: mid-saturation), one row per ``row_tokens``."""
+               outline_last: bool = False, ax=None) -> Figure:
+    """The KV pool at the end of ``step`` (default: mid-saturation), one row per ``row_tokens``.
+
+    ``outline_last`` outlines in red every held block (or slab) that is not full: for paged
+    memory, each sequence's last block, where all of paging's waste sits."""
     step = default_step(result) if step is None else step
     fig, ax = _axes(ax, (10, 5))
     budget = result.budget
@@ -131,6 +134,10 @@ def memory_map(result: SimResult, step: int | None = None, *, row_tokens: int = 
     # Block (or slab) boundaries make the allocation unit visible.
     edges = [Rectangle((x, r), w, 0.8) for s in segs for x, r, w in _wrapped(s.offset, s.size, row_tokens)]
     ax.add_collection(PatchCollection(edges, facecolor="none", edgecolor="black", lw=0.3))
+    if outline_last:
+        partial = [Rectangle((x, r - 0.06), w, 0.92) for s in segs if s.live < s.size
+                   for x, r, w in _wrapped(s.offset, s.size, row_tokens)]
+        ax.add_collection(PatchCollection(partial, facecolor="none", edgecolor="red", lw=1.1, zorder=3))
     ax.set_xlim(0, row_tokens)
     ax.set_ylim(rows, -0.2)
     ax.set_xlabel(f"token slot within a row of {row_tokens}")
@@ -143,7 +150,10 @@ def memory_map(result: SimResult, step: int | None = None, *, row_tokens: int = 
               Patch(facecolor="white", edgecolor="grey", hatch="////", label="internal fragmentation"),
               Patch(facecolor="white", edgecolor="#888888", hatch="xx", label="external fragmentation"),
               Patch(facecolor="white", edgecolor="#bbbbbb", label="free")]
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5, fontsize=8, frameon=False)
+    if outline_last:
+        legend.append(Patch(facecolor="none", edgecolor="red", label="a sequence's last, unfilled block"))
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3 if outline_last else 5,
+              fontsize=8, frameon=False)
     return fig
 
 
@@ -191,23 +201,30 @@ def memory_map_widget(result: SimResult, step: int | None = None, **kw):
 
 
 def occupancy_plot(result: SimResult, ax=None) -> Figure:
-    """Stacked shares of the budget at every step, with the running sequences on the right."""
-    fig, ax = _axes(ax)
+    """Stacked shares of the budget at every step (top) and how many sequences ran (below, on
+    its own axes, so the count is not read as the edge of a band). Given ``ax``, the count goes
+    on a twin axis instead, as a dashed line."""
     t, steps = result.timeline, np.arange(result.steps)
+    twin = ax is not None
+    if twin:
+        fig, below = ax.figure, ax.twinx()
+    else:
+        fig = Figure(figsize=(9, 5.5), layout="constrained")
+        ax, below = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     ax.stackplot(steps, *(t[p] / result.budget for p in PARTS), colors=[COLORS[p] for p in PARTS],
                  labels=[LABELS[p] for p in PARTS], linewidth=0)
     ax.set_ylim(0, 1)
     ax.set_xlim(0, max(result.steps - 1, 1))
     ax.yaxis.set_major_formatter(_percent())
-    ax.set_xlabel("decode step")
     ax.set_ylabel("share of the KV budget")
     ax.set_title(f"{result.policy}: {result.utilization:.1%} of KV memory live while requests wait")
-    twin = ax.twinx()
-    twin.plot(steps, t["running"], color="black", lw=0.8, label="running sequences")
-    twin.set_ylim(0, max(int(t["running"].max(initial=0)) * 1.1, 1))
-    twin.set_ylabel("running sequences")
-    handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=6, fontsize=8, frameon=False)
+    below.plot(steps, t["running"], color="black", lw=1, ls="--" if twin else "-", label="running sequences")
+    below.set_ylim(0, max(int(t["running"].max(initial=0)) * 1.15, 1))
+    below.set_ylabel("running sequences" if twin else "running\nsequences")
+    (ax if twin else below).set_xlabel("decode step")
+    handles = ax.get_legend_handles_labels()[0] + (below.get_legend_handles_labels()[0] if twin else [])
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.15) if twin else (0.5, -0.03),
+              ncol=6 if twin else 5, fontsize=8, frameon=False)
     return fig
 
 
@@ -269,8 +286,8 @@ def block_tables_figure(tables: Mapping, num_blocks: int, block_size: int, *, wr
 
     ``tables`` maps a name to anything with ``blocks`` and ``num_tokens`` (a ``minikv.blocks.BlockTable``).
 
-    Filled cells hold tokens (top: token position; bottom: slot number, when blocks are small enough to
-    label); hatched cells are the unfilled tail of a sequence's last block, the only waste; grey blocks
+    Filled cells hold tokens (top: numbered by token position; bottom: numbered by physical slot, in
+    italics, and each row says which, when blocks are small enough to label); hatched cells are the unfilled tail of a sequence's last block, the only waste; grey blocks
     are free. Red outlines: `written`, the slots of the last step (its slot mapping)."""
     W, GAP = 4.0, 0.6                      # a block is W wide whatever its size; cells are W / block_size
     cell, label = W / block_size, block_size <= 8
@@ -281,7 +298,7 @@ def block_tables_figure(tables: Mapping, num_blocks: int, block_size: int, *, wr
     ax = fig.add_subplot()
     owner = {b: (s, i) for s, t in enumerate(tables.values()) for i, b in enumerate(t.blocks)}
 
-    def block(x, y, filled, color, first, number_from):
+    def block(x, y, filled, color, first, number_from, slots=False):
         for k in range(block_size):
             used = k < filled
             ax.add_patch(Rectangle((x + k * cell, y), cell, 1, lw=0.4 if label else 0,
@@ -290,6 +307,7 @@ def block_tables_figure(tables: Mapping, num_blocks: int, block_size: int, *, wr
                                    hatch=None if used or color is None else "////"))
             if label:
                 ax.text(x + (k + 0.5) * cell, y + 0.5, number_from + k, ha="center", va="center", fontsize=6.5,
+                        fontstyle="italic" if slots else "normal",
                         color="white" if used else "#999999")
             if first + k in written:
                 ax.add_patch(Rectangle((x + k * cell, y), cell, 1, fill=False, edgecolor="red", lw=1.5, zorder=3))
@@ -313,14 +331,17 @@ def block_tables_figure(tables: Mapping, num_blocks: int, block_size: int, *, wr
         if b in owner:
             s, i = owner[b]
             t = list(tables.values())[s]
-            block(px, pool_y, min(block_size, t.num_tokens - i * block_size), seq_color(s), b * block_size, b * block_size)
+            block(px, pool_y, min(block_size, t.num_tokens - i * block_size), seq_color(s), b * block_size,
+                  b * block_size, True)
         else:
-            block(px, pool_y, 0, None, b * block_size, b * block_size)
+            block(px, pool_y, 0, None, b * block_size, b * block_size, True)
         ax.text(px + W / 2, pool_y + 1.15, f"{b}", ha="center", va="top", fontsize=7.5,
                 color="black" if b in owner else "#999999")
     right = max(x, num_blocks * (W + GAP))
-    ax.text(-0.3, 0.5, "logical\nblocks", ha="right", va="center", fontsize=9)
-    ax.text(-0.3, pool_y + 0.5, "physical\nblocks", ha="right", va="center", fontsize=9)
+    ax.text(-0.3, 0.5, "logical blocks\n" + ("cells: token\nposition" if label else ""), ha="right", va="center",
+            fontsize=9 if not label else 8)
+    ax.text(-0.3, pool_y + 0.5, "physical blocks\n" + ("cells: slot\nnumber (italic)" if label else ""), ha="right",
+            va="center", fontsize=9 if not label else 8)
     ax.set_xlim(-3.5, right)
     ax.set_ylim(pool_y + 1.6, -1.3)
     ax.set_aspect("equal")

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minikv.sim import (PARTS, ContiguousMax, ContiguousOracle, ContiguousPow2, Paged, compare,
+from minikv.sim import (PARTS, ContiguousMax, ContiguousOracle, ContiguousPow2, Paged, StepCost, compare,
                         simulate)
 from minikv.traces import WORKLOADS, Request, load_trace, make_trace
 
@@ -111,6 +111,38 @@ def test_growth_without_room_preempts_the_youngest_and_still_finishes():
     assert r.preemptions > 0
     check_books(r, len(trace), 4)
     assert r.timeline["finished"].sum() == 4
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=requests, budget=st.integers(8, 120), policy=st.sampled_from(sorted(POLICIES)))
+def test_work_is_charged_for_what_each_policy_did(reqs, budget, policy):
+    """Every output token is decoded once; every admitted prompt is prefilled once; a preempted
+    sequence is recomputed (prompt + output so far) each time it comes back; copies are the slab moves."""
+    trace = [Request(i, a, p, o) for i, (a, p, o) in enumerate(reqs)]
+    r = simulate(trace, POLICIES[policy](4), budget, max_seq_len=64)
+    tl, done = r.timeline, {i for i in range(len(trace))} - {i for i, _ in r.rejected}
+    assert tl["decoded"].sum() == sum(trace[i].output_len for i in done)
+    assert tl["prefilled"].sum() == sum(trace[i].prompt_len for i in done)
+    assert (tl["recomputed"].sum() > 0) == (r.preemptions > 0)
+    assert tl["copied"].sum() == r.counters.get("copied_tokens", 0)
+
+
+def test_timing_charges_recompute_and_copies():
+    # One request, 4 prompt + 3 output tokens, on a toy GPU where a decode step reads 1 GB at 1 GB/s
+    # (1 s, plus 1 ms per live token) and a prefill token costs 2 x 1e9 FLOPs at 2 GFLOP/s (1 s).
+    toy = StepCost(weight_bytes=10**9, num_params=10**9, bandwidth_gb_s=1, fp16_tflops=2e-3, prefill_efficiency=1)
+    r = simulate([Request(0, 0, 4, 3)], Paged(4), 16, bytes_per_token=10**6)
+    t = r.timing(toy)
+    assert t["prefill_s"] == pytest.approx(4) and t["recompute_s"] == 0 == t["copy_s"]
+    # the three decode steps attend over 4 + 1, 4 + 2 and 4 + 3 tokens
+    assert t["decode_s"] == pytest.approx(3 + (5 + 6 + 7) * 1e-3) and t["tokens"] == 3
+    assert t["tokens_per_s"] == pytest.approx(3 / (4 + 3 + 18e-3))
+    # Under pressure pow2 preempts and moves slabs: charging that makes it slower than counting steps says
+    pow2 = simulate(make_trace("sharegpt", 200, seed=3), ContiguousPow2())
+    t = pow2.timing()
+    assert pow2.preemptions > 0 and t["recompute_s"] > 0 and t["copy_s"] > 0
+    assert t["tokens_per_s"] < t["uncharged_tokens_per_s"]
+    assert t["seconds"] == pytest.approx(t["decode_s"] + t["prefill_s"] + t["recompute_s"] + t["copy_s"])
 
 
 def test_impossible_requests_are_rejected_with_a_reason_not_stalled():
@@ -246,7 +278,18 @@ def test_figures_draw(tmp_path):
     figs += [viz.occupancy_plot(results["contiguous max"]), viz.waste_breakdown(results),
              viz.block_size_plot(sweep_block_sizes(trace, sizes=(8, 32), budget_tokens=4096))]
     assert all(isinstance(f, Figure) for f in figs)
-    widget = viz.memory_map_widget(results["paged (block 16)"])
+    # the running count has its own axes below the bands (or a dashed twin line on a given ax)
+    assert len(viz.occupancy_plot(results["contiguous max"]).axes) == 2
+    ax = Figure().add_subplot()
+    assert len(viz.occupancy_plot(results["contiguous max"], ax=ax).axes) == 2
+    # outline_last outlines exactly the blocks that are not full: one per sequence at most
+    paged = results["paged (block 16)"]
+    step = viz.default_step(paged)
+    outlined = viz.memory_map(paged, step, outline_last=True).axes[0].collections[-1]
+    partial = [s for s in paged.snapshot(step) if s.live < s.size]
+    assert len(outlined.get_paths()) >= len(partial) > 0
+    assert len(partial) <= paged.timeline["running"][step]
+    widget = viz.memory_map_widget(paged, outline_last=True)
     bundle = widget._repr_mimebundle_()
     assert "image/png" in bundle and "application/vnd.jupyter.widget-view+json" in bundle
     first = widget.png

@@ -6,7 +6,7 @@ from hypothesis import given, strategies as st
 from transformers import (FalconConfig, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, OPTConfig,
                           Qwen2Config)
 
-from minikv.sizing import (GPUS, MODEL_CONFIGS, ModelShape, dtype_bytes, gpu_spec, kv_bill, kv_bytes_per_token,
+from minikv.sizing import (GPUS, MODEL_CONFIGS, ModelShape, activation_bytes, dtype_bytes, gpu_spec, kv_bill, kv_bytes_per_token,
                            kv_cache_bytes, max_sequences, model_spec, weight_bytes)
 
 # bytes per token in fp16 = 2 * layers * kv_heads * head_dim * 2, from each model's published config
@@ -87,14 +87,49 @@ def test_formula_property(layers, kv_heads, group, head_dim, tokens):
 
 
 def test_sequences_that_fit():
-    # Llama-2-7B fp16 on an A100-80GB: 90% of 80 GiB minus 12.55 GiB of weights, 1,000 MiB per sequence
+    # Llama-2-7B fp16 on an A100-80GB: 90% of 80 GiB minus 12.55 GiB of weights minus the activation
+    # estimate, 1,000 MiB per sequence
     bill = kv_bill("llama-2-7b", 2000, "A100-80GB")
-    assert bill.kv_budget_bytes == int(80 * 2**30 * 0.9) - 6_738_415_616 * 2
-    assert bill.sequences_that_fit == bill.kv_budget_bytes // (512 * 1024 * 2000) == 60
+    act = activation_bytes("llama-2-7b")
+    assert bill.activation_bytes == act
+    assert bill.kv_budget_bytes == int(80 * 2**30 * 0.9) - 6_738_415_616 * 2 - act
+    assert bill.sequences_that_fit == bill.kv_budget_bytes // (512 * 1024 * 2000) == 59
+    assert kv_bill("llama-2-7b", 2000, "A100-80GB", activations=0).sequences_that_fit == 60  # ignoring them
     assert max_sequences("llama-3-70b", "A100-40GB", 4096) == 0  # weights alone do not fit
     assert max_sequences("llama-3-8b", "H200", 8192) > max_sequences("llama-2-7b", "H200", 8192) * 3
-    assert "sequences that fit" in str(bill)
+    assert "sequences that fit" in str(bill) and "activations + runtime" in str(bill)
     assert {g.name for g in GPUS.values()} >= {"T4", "RTX-4090", "A100-40GB", "A100-80GB", "H100", "H200"}
+
+
+def test_activation_estimate_is_the_documented_sum():
+    # Llama-3-8B: 8,192 tokens x (2 x 4096 + 3 x 14336) fp16 numbers in the MLP, fp32 logits and
+    # probabilities for 256 sequences over 128,256 tokens, and 1 GiB of runtime.
+    want = 8192 * (2 * 4096 + 3 * 14336) * 2 + 256 * 128256 * 4 * 2 + 2**30
+    assert activation_bytes("llama-3-8b") == want
+    assert 1.9 * 2**30 < want < 2.1 * 2**30
+    assert activation_bytes("llama-3-8b", runtime_bytes=0, max_num_batched_tokens=1, max_num_seqs=1) == \
+        (2 * 4096 + 3 * 14336) * 2 + 128256 * 8
+    # A bare shape, or a config without the MLP and vocabulary sizes, cannot be estimated: the bill says so
+    assert activation_bytes(ModelShape(2, 2, 2, 2)) is None
+    bill = kv_bill({"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096}, 4096, "H100",
+                   num_params=6_738_415_616)
+    assert bill.activation_bytes is None and "not modeled" in str(bill)
+    assert bill.kv_budget_bytes == int(80 * 2**30 * 0.9) - 6_738_415_616 * 2
+    with pytest.raises(ValueError, match="activations must be"):
+        kv_bill("gpt2", 10, "T4", activations=-1)
+
+
+@pytest.mark.parametrize("name,context,inner", [("llama-2-7b", 4096, 11008), ("llama-3-8b", 8192, 14336),
+                                                 ("smollm2-135m", 8192, 1536), ("falcon-7b", 2048, 4 * 4544),
+                                                 ("gpt2", 1024, 4 * 768), ("opt-13b", 2048, 20480)])
+def test_context_and_mlp_sizes_from_the_config(name, context, inner):
+    s = model_spec(name)
+    assert (s.context_len, s.intermediate_size) == (context, inner)
+
+
+def test_a_context_past_the_window_is_flagged():
+    assert "past the model's 8,192-token context" in str(kv_bill("llama-3-8b", 16384))
+    assert "warning" not in str(kv_bill("llama-3-8b", 8192))
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -133,6 +168,6 @@ def test_size_command(capsys):
 
     assert main(["size", "llama-2-7b", "--context", "2000", "--gpu", "A100-80GB"]) == 0
     out = capsys.readouterr().out
-    assert "512.00 KiB" in out and "1,000.00 MiB" in out and "sequences that fit           60" in out
+    assert "512.00 KiB" in out and "1,000.00 MiB" in out and "sequences that fit           59" in out
     assert main(["size", "llama-2-7b", "--context", "2000", "--gpu", "V100"]) == 2
     assert "unknown GPU" in capsys.readouterr().err
