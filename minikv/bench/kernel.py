@@ -226,6 +226,101 @@ def plot(results: Sequence[Row]) -> Figure:
     return fig
 
 
+# --- static numbers: what the compiled kernel holds, read from cubins compiled for named GPUs ---
+
+STATIC_CONTEXT = 4096  # tokens per sequence in the "bytes per decode call" column
+BEFORE_JSON = Path(__file__).resolve().parents[2] / "kernels" / "resources_before.json"
+IDEAL_GPUS = ("T4", "A100-80GB", "H100")
+
+
+def decode_call_bytes(num_heads: int, num_kv_heads: int, head_dim: int, context: int, batch: int = 1,
+                      block_size: int = 16, elem: int = 2) -> int:
+    """What one layer's decode call must read and write at the least: every cached K/V byte of every
+    sequence once, the query, the output, the block tables (int32) and the lengths."""
+    blocks = -(-context // block_size)
+    return (2 * batch * context * num_kv_heads * head_dim * elem + 2 * batch * num_heads * head_dim * elem
+            + batch * blocks * 4 + batch * 4)
+
+
+def static_rows(configs: Sequence[Any], context: int = STATIC_CONTEXT) -> list[Row]:
+    """Compile each config for its target (no GPU needed) and return one row per compiled kernel,
+    with the bytes a decode call moves and the time a perfect memory-bound kernel would take."""
+    from kernels.resources import static_resources
+    from minikv.sizing import gpu_spec
+
+    rows = []
+    for res in static_resources(list(configs)):
+        row = res.as_row()
+        if res.kernel == "attention":
+            c = res.config
+            nbytes = decode_call_bytes(c.num_heads, c.num_kv_heads, c.head_dim, context, block_size=c.block_size)
+            row |= dict(context=context, bytes=nbytes)
+            row |= {f"ideal_us_{g}": nbytes / (gpu_spec(g).bandwidth_gb_s * 1e9) * 1e6 for g in IDEAL_GPUS}
+        rows.append(row)
+    return rows
+
+
+def before_rows() -> list[Row]:
+    """The first kernel's numbers (broadcast multiply-and-sum, no tl.dot), compiled the same way
+    at the commit named in the file, kept so the rework can be compared with what it replaced."""
+    if not BEFORE_JSON.exists():
+        return []
+    return json.loads(BEFORE_JSON.read_text())["rows"]
+
+
+def _key(row: Row) -> tuple:
+    return (row["model"], row["block_size"], row["dtype"], row["split"], row["arch"], row["kernel"])
+
+
+def print_static_table(rows: Sequence[Row], before: Sequence[Row] = ()) -> None:
+    """Registers, spills, shared memory and occupancy per compiled kernel, the first kernel's
+    registers and spills beside them where known, and the memory-bound ideal time per GPU."""
+    from kernels.resources import ARCHS
+
+    old = {_key(r): r for r in before}
+    cols = ["model", "gpu", "dtype", "block", "split", "kernel", "warps", "regs", "spill B", "stack B", "smem KiB",
+            "resident warps", "occupancy", "before regs", "before spill B", "KiB/call"]
+    cols += [f"ideal us {g}" for g in IDEAL_GPUS]
+    cells = [cols]
+    for r in rows:
+        b = old.get(_key(r), {})
+        cells.append([
+            r["model"], f"sm_{r['arch']} ({ARCHS[r['arch']]})", r["dtype"], str(r["block_size"]),
+            "yes" if r["split"] else "no", r["kernel"], str(r["num_warps"]), str(r["registers"]),
+            str(r["spill_stores"]), str(r["stack"]), f"{r['shared'] / 1024:.1f}",
+            f"{r['resident_warps']} ({r['limited_by']})", f"{r['occupancy']:.0%}",
+            str(b.get("registers", "-")), str(b.get("spill_stores", "-")),
+            f"{r['bytes'] / 1024:.0f}" if "bytes" in r else "-",
+        ] + [f"{r[f'ideal_us_{g}']:.1f}" if f"ideal_us_{g}" in r else "-" for g in IDEAL_GPUS])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    for row in cells:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+
+
+def static_grid(full: bool) -> list[Any]:
+    """The configs `--static` compiles: the headline shapes (Llama-3-8B, Llama-3-70B, SmolLM2 at
+    block 16, fp16, on sm_75/80/90, unsplit and split) or, with --full, the compile test's grid."""
+    from kernels.resources import full_grid, headline_grid
+
+    return full_grid() if full else headline_grid()
+
+
+def cli_static(args: argparse.Namespace) -> int:
+    from kernels.resources import MAX_REGISTERS
+
+    configs = static_grid(args.full)
+    print(f"compiling {len(configs)} configs for their target GPUs (no GPU needed; a few seconds each) ...",
+          flush=True)
+    rows = static_rows(configs, args.context)
+    print_static_table(rows, before_rows())
+    print(f"KiB/call and ideal us: one layer, one sequence of {args.context:,} tokens, read once at the "
+          f"GPU's datasheet bandwidth. Budget: no spills, <= {MAX_REGISTERS} registers per thread.")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+        print(f"wrote {len(rows)} rows to {args.json}")
+    return 1 if any(r["spill_stores"] or r["registers"] > MAX_REGISTERS for r in rows) else 0
+
+
 def cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m minikv bench kernel",
@@ -237,7 +332,15 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     parser.add_argument("--device", default="cuda", help="which GPU (default: cuda, the current one)")
     parser.add_argument("--plot", metavar="PATH", type=Path, help="save the figure (png, svg, pdf)")
+    parser.add_argument("--static", action="store_true",
+                        help="no GPU needed: compile for sm_75/80/90 and print registers, spills, shared memory, "
+                        "occupancy, bytes per decode call and the ideal memory-bound time on a T4, A100, H100")
+    parser.add_argument("--full", action="store_true", help="with --static: every shape, block size, dtype and split")
+    parser.add_argument("--context", type=int, default=STATIC_CONTEXT,
+                        help=f"with --static: tokens per sequence for the bytes column (default {STATIC_CONTEXT})")
     args = parser.parse_args(argv)
+    if args.static:
+        return cli_static(args)
     if not torch.cuda.is_available():
         print(NO_GPU)
         return 0
