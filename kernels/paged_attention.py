@@ -217,12 +217,19 @@ def launch_meta(group: int, head_dim: int, block_size: int, fp32: bool = False) 
     # [128, head_dim] fp32 accumulator in registers.
     head_tiles = triton.cdiv(group, 64)
     tile_h = max(16, pow2(triton.cdiv(group, head_tiles)))
+    head_dim_pad = max(16, pow2(head_dim))
     return dict(
-        BLOCK_SIZE=block_size, TILE_N=max(16, min(pow2(block_size), 32)),
+        # 16 tokens per step whatever the block size: 32 raised a T4's registers from 127 to 208
+        # per thread for Llama-3-8B (half the resident warps) and spilled at head_dim 256.
+        BLOCK_SIZE=block_size, TILE_N=16,
         GROUP=group, TILE_H=tile_h, HEAD_TILES=head_tiles,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, pow2(head_dim)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         IEEE_FP32=fp32,
-        num_warps=4, num_stages=2,
+        # A [64, 64] (MQA) or [16, 256] (Gemma) accumulator over 4 warps takes ~220-240 registers
+        # per thread on a T4; over 8 warps, ~126.
+        num_warps=8 if tile_h * head_dim_pad >= 4096 else 4,
+        # Two stages: the next tile's K/V loads are issued while this one is being used.
+        num_stages=2,
     )
 
 
@@ -289,16 +296,17 @@ def paged_attention(
     return out
 
 
-def compile_specs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, split: bool, dtype: str):
+def compile_specs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, split: bool, dtype: str,
+                  **overrides):
     """What a launch of this shape compiles, for kernels/resources.py to compile without a GPU.
 
     Yields (name, kernel, signature, constexprs, num_warps, num_stages) for the attention kernel
     and, when ``split``, the combine kernel. Strides are those of contiguous tensors: the ones
     equal to 1 become constants and the rest are marked divisible by 16 when they are, exactly
-    as Triton specialises a real launch.
+    as Triton specialises a real launch. ``overrides`` replace launch_meta's choices (for tuning).
     """
     ptr = "*" + dtype
-    meta = launch_meta(num_heads // num_kv_heads, head_dim, block_size, dtype == "fp32")
+    meta = launch_meta(num_heads // num_kv_heads, head_dim, block_size, dtype == "fp32") | overrides
     warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
     sig = dict(out_ptr=ptr, part_max_ptr="*fp32", part_sum_ptr="*fp32", part_acc_ptr="*fp32", query_ptr=ptr,
                key_cache_ptr=ptr, value_cache_ptr=ptr, block_tables_ptr="*i32", seq_lens_ptr="*i32",

@@ -33,8 +33,15 @@ ARCHS = {75: "T4", 80: "A100", 90: "H100"}
 SM_LIMITS = {  # registers per SM, max warps per SM, max programs (CTAs) per SM, shared memory per SM
     75: dict(regs=65536, warps=32, ctas=16, smem=64 * 1024),
     80: dict(regs=65536, warps=64, ctas=32, smem=164 * 1024),
+    86: dict(regs=65536, warps=48, ctas=16, smem=100 * 1024),  # RTX 30xx, A10, A40
+    89: dict(regs=65536, warps=48, ctas=24, smem=100 * 1024),  # L4, RTX 40xx
     90: dict(regs=65536, warps=64, ctas=32, smem=228 * 1024),
 }
+
+
+def sm_limits(arch: int) -> dict:
+    """The SM limits of `arch`, or of the newest listed architecture older than it."""
+    return SM_LIMITS[max((a for a in SM_LIMITS if a <= arch), default=75)]
 # Budget the compile test holds the kernel to: with at most this many registers per thread an SM
 # keeps at least 16 warps (a quarter of an A100/H100's 64, half of a T4's 32) of this kernel
 # resident, enough independent K/V loads in flight to cover DRAM latency in a streaming kernel.
@@ -113,6 +120,15 @@ def full_grid() -> list[KernelConfig]:
             for split in (False, True) for arch in ARCHS]
 
 
+def slow_grid() -> list[KernelConfig]:
+    """Every table shape on every target, twice: fp16 with blocks of 16 unsplit, and bf16 split
+    with blocks of 1 (sm_75, sm_90) or 32 (sm_80). A quarter of full_grid, every value of each
+    factor still met; the slow tests run it."""
+    return [KernelConfig(name, *shape, block_size=bs, dtype=dt, split=split, arch=arch)
+            for name, shape in model_shapes().items() for arch in ARCHS
+            for bs, dt, split in ((16, "float16", False), (32 if arch == 80 else 1, "bfloat16", True))]
+
+
 # The closing note's rows: before/after numbers for these shapes on a T4 and an H100.
 HEADLINE_MODELS = ("llama-3-8b", "llama-3-70b", "smollm2-135m")
 
@@ -133,7 +149,7 @@ def occupancy(arch: int, registers: int, num_warps: int, shared: int) -> tuple[i
 
     Registers are handed out per warp in chunks of 256 (8 per thread); shared memory per program.
     """
-    sm = SM_LIMITS[arch]
+    sm = sm_limits(arch)
     regs_per_warp = -(-registers * 32 // 256) * 256
     limits = {
         "registers": (sm["regs"] // max(regs_per_warp, 1)) // num_warps,
@@ -185,6 +201,9 @@ def _compile(fn, arch: int, signature: dict, constexprs: dict, num_warps: int, n
     return numbers
 
 
+_COMBINE_CACHE: dict[tuple, dict] = {}
+
+
 def _measure(config: KernelConfig) -> list[KernelResources]:
     import kernels.paged_attention as pa
 
@@ -195,11 +214,18 @@ def _measure(config: KernelConfig) -> list[KernelResources]:
     results = []
     for kind, fn, signature, constexprs, warps, stages in pa.compile_specs(
             config.num_heads, config.num_kv_heads, config.head_dim, config.block_size, config.split, dt):
-        numbers = _compile(fn, config.arch, signature, constexprs, warps, stages)
+        # The combine kernel depends only on head_dim, dtype and target: compile it once for each.
+        key = (config.arch, dt, config.head_dim) if kind == "combine" else None
+        if key is not None and key in _COMBINE_CACHE:
+            numbers = _COMBINE_CACHE[key]
+        else:
+            numbers = _compile(fn, config.arch, signature, constexprs, warps, stages)
+            if key is not None:
+                _COMBINE_CACHE[key] = numbers
         res = KernelResources(config, kind, warps, stages, **numbers)
         res.programs_per_sm, res.limited_by = occupancy(config.arch, res.registers, warps, res.shared)
         res.resident_warps = res.programs_per_sm * warps
-        res.occupancy = res.resident_warps / SM_LIMITS[config.arch]["warps"]
+        res.occupancy = res.resident_warps / sm_limits(config.arch)["warps"]
         results.append(res)
     return results
 
@@ -215,34 +241,36 @@ def _compiles_here() -> bool:
     return torch.cuda.is_available()
 
 
-def static_resources(configs: list[KernelConfig]) -> list[KernelResources]:
-    """Compile every config (and, when split, its combine kernel) and return their resources."""
+def static_resources(configs: list[KernelConfig], jobs: int | None = None) -> list[KernelResources]:
+    """Compile every config (and, when split, its combine kernel) and return their resources.
+
+    In a process that runs the interpreter, the compiles happen in `jobs` child processes
+    (default: one per CPU, at most 4), each taking a share of the configs.
+    """
     if _compiles_here():
         return [r for c in configs for r in _measure(c)]
-    # This process runs kernels under the interpreter: compile in a child that does not.
+    jobs = max(1, min(jobs or min(os.cpu_count() or 1, 4), len(configs) // 2 or 1))
     env = dict(os.environ, TRITON_INTERPRET="0")
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, "-m", "kernels.resources"], input=json.dumps([asdict(c) for c in configs]),
-                          capture_output=True, text=True, env=env, cwd=repo)
-    if done.returncode != 0:
-        raise RuntimeError(f"compiling in a child process failed:\n{done.stderr[-4000:]}")
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
-    out = []
-    for row in rows:
-        config = KernelConfig(**row.pop("config"))
-        out.append(KernelResources(config=config, **row))
-    return out
+    shares = [configs[i::jobs] for i in range(jobs)]
+    children = [subprocess.Popen([sys.executable, "-m", "kernels.resources"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=repo)
+                for _ in shares]
+    by_config: dict[KernelConfig, list[KernelResources]] = {}
+    for child, share in zip(children, shares):
+        out, err = child.communicate(json.dumps([asdict(c) for c in share]))
+        if child.returncode != 0:
+            raise RuntimeError(f"compiling in a child process (TRITON_INTERPRET=0) failed:\n{err[-4000:]}")
+        for row in json.loads(out.strip().splitlines()[-1]):
+            res = KernelResources(config=KernelConfig(**row.pop("config")), **row)
+            by_config.setdefault(res.config, []).append(res)
+    return [r for c in configs for r in by_config[c]]  # in the order asked
 
 
 def _main() -> int:
     configs = [KernelConfig(**c) for c in json.loads(sys.stdin.read())]
-    rows = []
-    for c in configs:
-        for r in _measure(c):
-            row = asdict(r)
-            rows.append(row)
-    print(json.dumps(rows))
+    print(json.dumps([asdict(r) for c in configs for r in _measure(c)]))
     return 0
 
 

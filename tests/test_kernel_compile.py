@@ -3,13 +3,15 @@ and holds few enough registers per thread to keep a memory-bound kernel's loads 
 
 No GPU is needed: kernels/resources.py compiles for sm_75 (T4), sm_80 (A100) and sm_90 (H100)
 with the ptxas that ships in the triton wheel and reads ptxas -v's report. A representative
-subset runs with the fast tests (~30 s); the whole grid (every model shape in minikv.sizing's
-table x block size 1, 16, 32 x fp16, bf16 x split or not x the three GPUs, 288 kernels plus
-their combine kernels) is marked slow and takes several minutes on 2 cores.
+subset runs with the fast tests (~30 s on 2 idle cores). ``slow``: every model shape in
+minikv.sizing's table on every target, in two variants (~2 min). ``fullgrid`` (skipped unless
+MINIKV_FULL_GRID=1 is set, ~8 min on 2 cores): every shape x block size 1, 16, 32 x fp16, bf16 x
+split or not x the three GPUs, 288 kernels plus their combine kernels.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from kernels.resources import (  # noqa: E402
     full_grid,
     model_shapes,
     occupancy,
+    slow_grid,
     static_resources,
 )
 
@@ -97,7 +100,51 @@ def test_grid_covers_every_table_shape() -> None:
 
 
 @pytest.mark.slow
+def test_every_shape_on_every_target_compiles_without_spills() -> None:
+    grid = slow_grid()
+    assert {(c.model, c.arch) for c in grid} == {(m, a) for m in model_shapes() for a in (75, 80, 90)}
+    assert {c.block_size for c in grid} == {1, 16, 32} and {c.split for c in grid} == {False, True}
+    results = static_resources(grid)
+    assert len([r for r in results if r.kernel == "attention"]) == len(grid)
+    assert_within_budget(results)
+
+
+@pytest.mark.slow
+@pytest.mark.fullgrid
+@pytest.mark.skipif(os.environ.get("MINIKV_FULL_GRID") != "1", reason="the full compile grid (~8 min on 2 cores) "
+                    "runs only with MINIKV_FULL_GRID=1; the slow test covers every shape on every target")
 def test_full_grid_compiles_without_spills() -> None:
     results = static_resources(full_grid())
     assert len([r for r in results if r.kernel == "attention"]) == len(full_grid())
     assert_within_budget(results)
+
+
+def test_bench_puts_static_numbers_beside_measured_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a GPU, `bench kernel` adds the compiled kernel's registers and occupancy on that card to
+    # each measured row; the card is faked here (a T4) so that this path runs without one.
+    import torch
+
+    from minikv.bench import kernel as bench
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    rows = [dict(dtype="float16", batch=1, context=512, num_splits=1, kernel_us=10.0),
+            dict(dtype="float16", batch=1, context=4096, num_splits=4, kernel_us=20.0),
+            dict(dtype="float16", batch=64, context=32768, status="skipped: needs 300 GB")]
+    bench._add_static_numbers(rows, ["float16"], 16, torch.device("cpu"))
+    assert rows[0]["arch"] == rows[1]["arch"] == 75 and "regs" not in rows[2]
+    assert all(0 < r["regs"] <= MAX_REGISTERS and r["spill_bytes"] == 0 for r in rows[:2])
+    assert all(r["resident_warps"] >= MIN_RESIDENT_WARPS for r in rows[:2])
+
+
+def test_static_table_prints_before_and_after(capsys: pytest.CaptureFixture[str]) -> None:
+    from minikv.bench import kernel as bench
+
+    before = bench.before_rows()
+    assert before, "kernels/resources_before.json is missing: the first kernel's numbers are kept there"
+    row = next(r for r in before if r["model"] == "llama-3-8b" and r["arch"] == 90 and r["kernel"] == "attention"
+               and not r["split"])
+    bench.print_static_table([dict(row, registers=64, spill_stores=0, bytes=1 << 20,
+                                   **{f"ideal_us_{g}": 1.0 for g in bench.IDEAL_GPUS})], before)
+    lines = capsys.readouterr().out.splitlines()
+    assert "before regs" in lines[0] and "ideal us H100" in lines[0]
+    assert lines[1].split()[:2] == ["llama-3-8b", "sm_90"] and str(row["registers"]) in lines[1].split()

@@ -96,8 +96,8 @@ def bench_config(batch: int, context: int, dtype: torch.dtype, block_size: int, 
     elem = torch.finfo(dtype).bits // 8
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * elem  # K and V
     flash = _flash_attn()
-    # Contiguous copy + paged pool (+ a second pool for FlashAttention) + 10% slack.
-    needed = kv_bytes * (3 if flash else 2) * 1.1
+    # Contiguous copy + paged pool + the same pool in table order (+ a pool for FlashAttention) + 10% slack.
+    needed = kv_bytes * (4 if flash else 3) * 1.1
     free, _ = torch.cuda.mem_get_info(device)
     if needed > free:
         return row | dict(status=f"skipped: needs {needed / 1e9:.0f} GB, {free / 1e9:.0f} GB free")
@@ -138,6 +138,19 @@ def bench_config(batch: int, context: int, dtype: torch.dtype, block_size: int, 
     # `context` tokens per sequence), the query, the output it writes, the tables and lengths.
     bytes_moved = kv_bytes + 2 * query.numel() * elem + block_tables.numel() * 4 + seq_lens.numel() * 4
     kernel_ms, sdpa_ms = _time_ms(kernel), _time_ms(sdpa)
+    # The clean price of the indirection: the same kernel, the same tokens, but every sequence's
+    # blocks stored in order (block table = 0, 1, 2, ...), against the scattered pool above. Only
+    # where the blocks lie differs, so the ratio is what scattering costs this kernel; the paper's
+    # 20-26% compares two different kernels and so also measures how good each one is.
+    order = block_tables.flatten().long()  # pool slot of sequence s's block b, in (s, b) order
+    ordered_k, ordered_v = key_cache[order], value_cache[order]
+    identity = torch.arange(num_blocks, dtype=torch.int32, device=device).view(batch, blocks_per_seq)
+    ordered_got = paged_attention(query, ordered_k, ordered_v, identity, seq_lens, scale)
+    if not torch.equal(ordered_got, got):
+        return row | dict(status="WRONG: identity-table answer differs from the permuted-table answer")
+    identity_ms = _time_ms(lambda: paged_attention(query, ordered_k, ordered_v, identity, seq_lens, scale,
+                                                   check_inputs=False))
+    del ordered_k, ordered_v
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     row |= dict(
         status="ok",
@@ -149,6 +162,8 @@ def bench_config(batch: int, context: int, dtype: torch.dtype, block_size: int, 
         copy_share=bytes_moved / (kernel_ms * 1e-3) / 1e9 / copy_gbps,
         sdpa_us=sdpa_ms * 1e3,
         vs_sdpa=kernel_ms / sdpa_ms,
+        identity_us=identity_ms * 1e3,
+        permuted_vs_identity=kernel_ms / identity_ms,
     )
     if flash is not None:
         row |= _bench_flash(flash, query, k, v, key_cache, value_cache, block_tables, seq_lens, scale, kernel_ms)
@@ -189,7 +204,9 @@ def _bench_flash(flash: Callable[..., torch.Tensor], query: torch.Tensor, k: tor
 def _print_table(rows: Sequence[Row]) -> None:
     cols = [("dtype", "{}"), ("batch", "{}"), ("context", "{}"), ("num_splits", "{}"), ("kernel_us", "{:.1f}"),
             ("gbps", "{:.0f}"), ("copy_share", "{:.0%}"), ("sdpa_us", "{:.1f}"), ("vs_sdpa", "{:.2f}x"),
-            ("fa_contig_us", "{:.1f}"), ("fa_paged_us", "{:.1f}"), ("status", "{}")]
+            ("identity_us", "{:.1f}"), ("permuted_vs_identity", "{:.2f}x"),
+            ("fa_contig_us", "{:.1f}"), ("fa_paged_us", "{:.1f}"), ("regs", "{}"), ("spill_bytes", "{}"),
+            ("occupancy", "{:.0%}"), ("status", "{}")]
     cols = [(name, fmt) for name, fmt in cols if any(name in r for r in rows)]
     cells = [[name for name, _ in cols]]
     cells += [[fmt.format(r[name]) if name in r else "-" for name, fmt in cols] for r in rows]
@@ -200,7 +217,8 @@ def _print_table(rows: Sequence[Row]) -> None:
 
 def plot(results: Sequence[Row]) -> Figure:
     """Left: achieved bandwidth vs context, one line per (dtype, batch), with the copy ceiling.
-    Right: kernel time / contiguous SDPA time, with the vLLM paper's 1.20-1.26x band."""
+    Right: kernel time / contiguous SDPA time (solid) and, dashed, kernel time on scattered blocks /
+    on the same blocks in order, with the vLLM paper's 1.20-1.26x band."""
     import matplotlib.pyplot as plt
 
     rows = [r for r in results if "kernel_us" in r]
@@ -209,14 +227,17 @@ def plot(results: Sequence[Row]) -> Figure:
         mine = sorted((r for r in rows if r["dtype"] == dtype and r["batch"] == batch), key=lambda r: r["context"])
         label = f"{dtype}, batch {batch}"
         bw.plot([r["context"] for r in mine], [r["gbps"] for r in mine], marker="o", label=label)
-        ratio.plot([r["context"] for r in mine], [r["vs_sdpa"] for r in mine], marker="o", label=label)
+        line, = ratio.plot([r["context"] for r in mine], [r["vs_sdpa"] for r in mine], marker="o", label=label)
+        if all("permuted_vs_identity" in r for r in mine):  # same colour, dashed: the clean indirection cost
+            ratio.plot([r["context"] for r in mine], [r["permuted_vs_identity"] for r in mine], marker="x",
+                       linestyle="--", color=line.get_color(), label=f"{label}: scattered / in-order table")
     copies = [r["copy_gbps"] for r in rows if "copy_gbps" in r]
     if copies:
         bw.axhline(max(copies), color="black", linestyle="--", linewidth=1, label="device copy (measured)")
     bw.set(xscale="log", xlabel="context (tokens)", ylabel="achieved GB/s", title="paged kernel bandwidth")
     ratio.axhspan(1.20, 1.26, color="tab:red", alpha=0.15, label="vLLM paper: paged 20-26% slower")
     ratio.axhline(1.0, color="black", linewidth=1)
-    ratio.set(xscale="log", xlabel="context (tokens)", ylabel="paged kernel time / contiguous SDPA time",
+    ratio.set(xscale="log", xlabel="context (tokens)", ylabel="time ratio (solid: vs SDPA; dashed: vs in-order)",
               title="cost of paging (lower is better)")
     contexts = sorted({r["context"] for r in rows})
     for ax in (bw, ratio):
@@ -285,7 +306,7 @@ def print_static_table(rows: Sequence[Row], before: Sequence[Row] = ()) -> None:
     for r in rows:
         b = old.get(_key(r), {})
         cells.append([
-            r["model"], f"sm_{r['arch']} ({ARCHS[r['arch']]})", r["dtype"], str(r["block_size"]),
+            r["model"], f"sm_{r['arch']} ({ARCHS.get(r['arch'], '?')})", r["dtype"], str(r["block_size"]),
             "yes" if r["split"] else "no", r["kernel"], str(r["num_warps"]), str(r["registers"]),
             str(r["spill_stores"]), str(r["stack"]), f"{r['shared'] / 1024:.1f}",
             f"{r['resident_warps']} ({r['limited_by']})", f"{r['occupancy']:.0%}",
@@ -319,6 +340,27 @@ def cli_static(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(rows, indent=2))
         print(f"wrote {len(rows)} rows to {args.json}")
     return 1 if any(r["spill_stores"] or r["registers"] > MAX_REGISTERS for r in rows) else 0
+
+
+def _add_static_numbers(rows: list[Row], dtypes: Sequence[str], block_size: int, device: torch.device) -> None:
+    """Put the compiled kernel's registers, spills and occupancy on this card beside each measured row."""
+    from kernels.resources import KernelConfig, static_resources
+
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = 10 * major + minor
+    configs = [KernelConfig("llama-3-8b", NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, block_size, dtype, split, arch)
+               for dtype in dtypes for split in (False, True)]
+    try:
+        found = {(r.config.dtype, r.config.split, r.kernel): r for r in static_resources(configs)}
+    except Exception as err:  # static numbers are a bonus beside the measurement: say why they are missing
+        print(f"static numbers for sm_{arch} unavailable: {str(err)[:200]}")
+        return
+    for row in rows:
+        if "num_splits" not in row:
+            continue
+        res = found[(row["dtype"], row["num_splits"] > 1, "attention")]
+        row |= dict(regs=res.registers, spill_bytes=res.spill_stores, smem=res.shared,
+                    resident_warps=res.resident_warps, occupancy=res.occupancy, arch=arch)
 
 
 def cli(argv: list[str]) -> int:
@@ -357,6 +399,7 @@ def cli(argv: list[str]) -> int:
     for dtype, batch, context in tqdm(grid, desc="kernel bench", unit="config"):
         rows.append(bench_config(batch, context, DTYPES[dtype], args.block_size, copy_gbps, device))
         torch.cuda.empty_cache()  # the next configuration may need most of the card
+    _add_static_numbers(rows, dtypes, args.block_size, device)
     _print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
