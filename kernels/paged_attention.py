@@ -8,9 +8,11 @@ cache can be read. Every design choice below serves one goal: read each cached b
 large enough pieces, with every SM busy.
 
 * One program per (sequence, KV head) handles *all* query heads that share that KV head, so
-  under GQA/MQA each K/V byte is loaded once, not once per query head.
-* The program walks the sequence one block at a time, looking up the physical block in the
-  block table: this indirection is all that paging adds to ordinary attention.
+  under GQA/MQA each K/V byte is loaded once, not once per query head. The group is padded to
+  at least 16 rows so that both products (scores and the weighted sum of V) run as ``tl.dot`` on
+  tensor cores; a group wider than 64 (MQA) is cut over several programs.
+* The program walks the sequence 16 tokens at a time, looking up each token's physical block in
+  the block table: this indirection is all that paging adds to ordinary attention.
 * Online softmax: a running max and sum let each block be folded in and forgotten, so the
   scores of a 32k-token context never need to exist at once.
 * Split-KV ("flash-decoding"): with few sequences, (sequence, KV head) pairs alone cannot fill
@@ -18,7 +20,8 @@ large enough pieces, with every SM busy.
   kernel merges their partial results.
 
 Without a CUDA GPU the module switches Triton to its interpreter (numpy on the CPU) so the same
-kernel can be run and checked anywhere. The interpreter is for correctness, never for timing.
+kernel can be run and checked anywhere. The interpreter is for correctness, never for timing;
+kernels/resources.py compiles the kernel for named GPUs without one, to read its register use.
 """
 
 from __future__ import annotations

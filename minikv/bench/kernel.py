@@ -295,12 +295,13 @@ def _key(row: Row) -> tuple:
 
 def print_static_table(rows: Sequence[Row], before: Sequence[Row] = ()) -> None:
     """Registers, spills, shared memory and occupancy per compiled kernel, the first kernel's
-    registers and spills beside them where known, and the memory-bound ideal time per GPU."""
+    registers, spills and resident warps beside them where known (kernels/resources_before.json),
+    and the memory-bound ideal time per GPU."""
     from kernels.resources import ARCHS
 
     old = {_key(r): r for r in before}
     cols = ["model", "gpu", "dtype", "block", "split", "kernel", "warps", "regs", "spill B", "stack B", "smem KiB",
-            "resident warps", "occupancy", "before regs", "before spill B", "KiB/call"]
+            "resident warps", "occupancy", "before regs", "before spill B", "before warps", "KiB/call"]
     cols += [f"ideal us {g}" for g in IDEAL_GPUS]
     cells = [cols]
     for r in rows:
@@ -310,7 +311,7 @@ def print_static_table(rows: Sequence[Row], before: Sequence[Row] = ()) -> None:
             "yes" if r["split"] else "no", r["kernel"], str(r["num_warps"]), str(r["registers"]),
             str(r["spill_stores"]), str(r["stack"]), f"{r['shared'] / 1024:.1f}",
             f"{r['resident_warps']} ({r['limited_by']})", f"{r['occupancy']:.0%}",
-            str(b.get("registers", "-")), str(b.get("spill_stores", "-")),
+            str(b.get("registers", "-")), str(b.get("spill_stores", "-")), str(b.get("resident_warps", "-")),
             f"{r['bytes'] / 1024:.0f}" if "bytes" in r else "-",
         ] + [f"{r[f'ideal_us_{g}']:.1f}" if f"ideal_us_{g}" in r else "-" for g in IDEAL_GPUS])
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
