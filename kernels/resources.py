@@ -25,7 +25,8 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+import tempfile
+from dataclasses import asdict, dataclass
 
 # The GPUs a learner is likely to meet, by compute capability ("sm_XY"), with the SM limits that
 # decide occupancy (CUDA C Programming Guide, "Features and Technical Specifications").
@@ -42,6 +43,8 @@ SM_LIMITS = {  # registers per SM, max warps per SM, max programs (CTAs) per SM,
 def sm_limits(arch: int) -> dict:
     """The SM limits of `arch`, or of the newest listed architecture older than it."""
     return SM_LIMITS[max((a for a in SM_LIMITS if a <= arch), default=75)]
+
+
 # Budget the compile test holds the kernel to: with at most this many registers per thread an SM
 # keeps at least 16 warps (a quarter of an A100/H100's 64, half of a T4's 32) of this kernel
 # resident, enough independent K/V loads in flight to cover DRAM latency in a streaming kernel.
@@ -61,10 +64,6 @@ class KernelConfig:
     dtype: str = "float16"  # of query, K/V cache and output
     split: bool = False  # split-KV: the kernel writes partial results and the combine kernel runs too
     arch: int = 90  # compute capability: 75 (T4), 80 (A100), 90 (H100)
-
-    @property
-    def group(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
     @property
     def label(self) -> str:
@@ -88,8 +87,7 @@ class KernelResources:
     programs_per_sm: int = 0
     resident_warps: int = 0
     occupancy: float = 0.0  # resident warps / the SM's maximum
-    limited_by: str = ""
-    notes: list[str] = field(default_factory=list)
+    limited_by: str = ""  # which SM limit binds first: registers, warps, programs or shared memory
 
     def as_row(self) -> dict:
         row = asdict(self)
@@ -122,11 +120,18 @@ def full_grid() -> list[KernelConfig]:
 
 def slow_grid() -> list[KernelConfig]:
     """Every table shape on every target, twice: fp16 with blocks of 16 unsplit, and bf16 split
-    with blocks of 1 (sm_75, sm_90) or 32 (sm_80). A quarter of full_grid, every value of each
+    with blocks of 1 (sm_75, sm_90) or 32 (sm_80). A sixth of full_grid, every value of each
     factor still met; the slow tests run it."""
     return [KernelConfig(name, *shape, block_size=bs, dtype=dt, split=split, arch=arch)
             for name, shape in model_shapes().items() for arch in ARCHS
             for bs, dt, split in ((16, "float16", False), (32 if arch == 80 else 1, "bfloat16", True))]
+
+
+def model_shapes_all() -> dict[str, tuple[int, int, int]]:
+    """(num_heads, num_kv_heads, head_dim) of every model in minikv.sizing's table, by name."""
+    from minikv.sizing import MODEL_CONFIGS, model_spec
+
+    return {name: (s.num_heads, s.num_kv_heads, s.head_dim) for name in MODEL_CONFIGS for s in [model_spec(name)]}
 
 
 # The closing note's rows: before/after numbers for these shapes on a T4 and an H100.
@@ -134,14 +139,9 @@ HEADLINE_MODELS = ("llama-3-8b", "llama-3-70b", "smollm2-135m")
 
 
 def headline_grid(archs: tuple[int, ...] = (75, 80, 90)) -> list[KernelConfig]:
+    """HEADLINE_MODELS at fp16, blocks of 16, unsplit, on each target: `bench kernel --static`."""
     shapes = {name: model_shapes_all()[name] for name in HEADLINE_MODELS}
     return [KernelConfig(name, *shape, arch=arch) for name, shape in shapes.items() for arch in archs]
-
-
-def model_shapes_all() -> dict[str, tuple[int, int, int]]:
-    from minikv.sizing import MODEL_CONFIGS, model_spec
-
-    return {name: (s.num_heads, s.num_kv_heads, s.head_dim) for name in MODEL_CONFIGS for s in [model_spec(name)]}
 
 
 def occupancy(arch: int, registers: int, num_warps: int, shared: int) -> tuple[int, str]:
@@ -254,12 +254,17 @@ def static_resources(configs: list[KernelConfig], jobs: int | None = None) -> li
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
     shares = [configs[i::jobs] for i in range(jobs)]
-    children = [subprocess.Popen([sys.executable, "-m", "kernels.resources"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=repo)
-                for _ in shares]
+    children = []
+    for share in shares:  # start them all before waiting for any, so that they compile side by side
+        with tempfile.TemporaryFile("w+") as request:
+            request.write(json.dumps([asdict(c) for c in share]))
+            request.seek(0)
+            children.append(subprocess.Popen([sys.executable, "-m", "kernels.resources"], stdin=request,
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                             env=env, cwd=repo))
     by_config: dict[KernelConfig, list[KernelResources]] = {}
-    for child, share in zip(children, shares):
-        out, err = child.communicate(json.dumps([asdict(c) for c in share]))
+    for child in children:
+        out, err = child.communicate()
         if child.returncode != 0:
             raise RuntimeError(f"compiling in a child process (TRITON_INTERPRET=0) failed:\n{err[-4000:]}")
         for row in json.loads(out.strip().splitlines()[-1]):
