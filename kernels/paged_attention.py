@@ -236,6 +236,12 @@ def launch_meta(group: int, head_dim: int, block_size: int, fp32: bool = False) 
     )
 
 
+def combine_warps(splits_pad: int, head_dim_pad: int) -> int:
+    """Warps for the combine kernel, which holds all splits' [SPLITS_PAD, HEAD_DIM_PAD] partial
+    outputs at once: at 64 splits of head_dim 256, 4 warps needed ~190 registers per thread."""
+    return 8 if splits_pad * head_dim_pad > 8192 else 4
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -291,10 +297,11 @@ def paged_attention(
         SPLIT_KV=num_splits > 1, **meta,
     )
     if num_splits > 1:
+        splits_pad, head_dim_pad = triton.next_power_of_2(num_splits), triton.next_power_of_2(head_dim)
         _combine_splits_kernel[(num_seqs, num_heads)](
             out, part_max, part_sum, part_acc, num_splits, *out.stride(),
-            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+            SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            num_warps=combine_warps(splits_pad, head_dim_pad),
         )
     return out
 
@@ -327,7 +334,9 @@ def compile_specs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: 
     if split:
         csig = dict(out_ptr=ptr, part_max_ptr="*fp32", part_sum_ptr="*fp32", part_acc_ptr="*fp32", num_splits="i32",
                     stride_os="i32", stride_oh="i32")
-        cconst = dict(stride_od=1, SPLITS_PAD=MAX_SPLITS, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        # The most splits a launch can have: the largest tile the combine kernel ever holds.
+        head_dim_pad = triton.next_power_of_2(head_dim)
+        cconst = dict(stride_od=1, SPLITS_PAD=MAX_SPLITS, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
                       _divisible_by_16=dict(stride_os=True, stride_oh=head_dim % 16 == 0))
-        specs.append(("combine", _combine_splits_kernel, csig, cconst, 4, 3))
+        specs.append(("combine", _combine_splits_kernel, csig, cconst, combine_warps(MAX_SPLITS, head_dim_pad), 3))
     return specs
