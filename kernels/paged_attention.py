@@ -8,9 +8,11 @@ cache can be read. Every design choice below serves one goal: read each cached b
 large enough pieces, with every SM busy.
 
 * One program per (sequence, KV head) handles *all* query heads that share that KV head, so
-  under GQA/MQA each K/V byte is loaded once, not once per query head.
-* The program walks the sequence one block at a time, looking up the physical block in the
-  block table: this indirection is all that paging adds to ordinary attention.
+  under GQA/MQA each K/V byte is loaded once, not once per query head. The group is padded to
+  at least 16 rows so that both products (scores and the weighted sum of V) run as ``tl.dot`` on
+  tensor cores; a group wider than 64 (MQA) is cut over several programs.
+* The program walks the sequence 16 tokens at a time, looking up each token's physical block in
+  the block table: this indirection is all that paging adds to ordinary attention.
 * Online softmax: a running max and sum let each block be folded in and forgotten, so the
   scores of a 32k-token context never need to exist at once.
 * Split-KV ("flash-decoding"): with few sequences, (sequence, KV head) pairs alone cannot fill
@@ -18,7 +20,8 @@ large enough pieces, with every SM busy.
   kernel merges their partial results.
 
 Without a CUDA GPU the module switches Triton to its interpreter (numpy on the CPU) so the same
-kernel can be run and checked anywhere. The interpreter is for correctness, never for timing.
+kernel can be run and checked anywhere. The interpreter is for correctness, never for timing;
+kernels/resources.py compiles the kernel for named GPUs without one, to read its register use.
 """
 
 from __future__ import annotations
@@ -57,70 +60,81 @@ def _paged_attention_kernel(
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_ts, stride_tb,
     stride_os, stride_oh, stride_od,
-    BLOCK_SIZE: tl.constexpr, BLOCK_SIZE_PAD: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    GROUP: tl.constexpr, TILE_H: tl.constexpr, HEAD_TILES: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    SPLIT_KV: tl.constexpr,
+    SPLIT_KV: tl.constexpr, IEEE_FP32: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_TILES
+    head_tile = tl.program_id(1) % HEAD_TILES
     split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
+    num_heads = (tl.num_programs(1) // HEAD_TILES) * GROUP
 
-    # This split's share of the sequence, in blocks. The loop bound comes from seq_len, so table
-    # entries past the sequence's last block are never even loaded: they may hold garbage.
+    # This split's share of the sequence, in tokens: whole blocks, ending at seq_len. The loop
+    # bound comes from seq_len, so table entries past the sequence's end are never even loaded:
+    # they may hold garbage.
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-    first_block = split * blocks_per_split
-    end_block = tl.minimum(first_block + blocks_per_split, num_blocks)
+    start = split * blocks_per_split * BLOCK_SIZE
+    end = tl.minimum(start + blocks_per_split * BLOCK_SIZE, seq_len)
 
-    # tl.arange only makes power-of-two ranges, so the head group (3 under a 24:8 GQA model),
-    # the head dim (80 for some models) and the block size are padded up and masked.
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM_PAD)
-    t = tl.arange(0, BLOCK_SIZE_PAD)
-    head_ok = g < GROUP
+    # The query heads that share this KV head, TILE_H rows at a time: TILE_H is at least 16
+    # (tl.dot's smallest tile), so a group of 3 or 4 heads fills 3 or 4 rows and masks the rest.
+    # Padding costs tensor-core arithmetic, which decode has to spare; it saves registers.
+    h = head_tile * TILE_H + tl.arange(0, TILE_H)
+    head_ok = h < GROUP
+    heads = kv_head * GROUP + h
+    d = tl.arange(0, HEAD_DIM_PAD)  # powers of two only: a head_dim of 80 is padded and masked
     dim_ok = d < HEAD_DIM
-    heads = kv_head * GROUP + g  # the query heads that read this KV head
+    n = tl.arange(0, TILE_N)
 
-    # The group's queries, [GROUP_PAD, HEAD_DIM_PAD], in fp32. Folding scale*log2(e) in here once
-    # lets the softmax below use exp2 without rescaling every score.
     q = tl.load(query_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
-    q = q.to(tl.float32) * scale_log2e
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)  # [TILE_H, HEAD_DIM_PAD]
 
     # Online-softmax state, one row per query head, all fp32: in fp16 a sum over thousands of
     # tokens would lose precision and exp of large scores would overflow.
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores seen
-    l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(score - m)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)  # running sum of exp2(score - m) * v
+    m = tl.full([TILE_H], float("-inf"), tl.float32)  # running max of the scores seen (log2 units)
+    l = tl.zeros([TILE_H], tl.float32)  # running sum of exp2(score - m)
+    acc = tl.zeros([TILE_H, HEAD_DIM_PAD], tl.float32)  # running sum of exp2(score - m) * v
 
-    for b in range(first_block, end_block):
-        # The paging indirection: logical block b of this sequence lives in physical block
-        # `physical`. int64 before multiplying: physical * stride_kb passes 2**31 elements
-        # once the pool is a few GB, and an int32 product would silently wrap around.
-        physical = tl.load(block_tables_ptr + seq * stride_ts + b * stride_tb).to(tl.int64)
-        # Only the last block can be partial; padding slots (t >= BLOCK_SIZE) are never valid.
-        tok_ok = (t < BLOCK_SIZE) & (b * BLOCK_SIZE + t < seq_len)
+    for n0 in range(start, end, TILE_N):
+        # TILE_N tokens (at least 16, for tl.dot) at a time, each found through the block table:
+        # logical block pos // BLOCK_SIZE lives in physical block `physical`. With blocks of 16 or
+        # more, a tile lies in one block and these loads all hit the same table entry; with blocks
+        # of 1 or 8 it gathers from several. int64 before multiplying: physical * stride_kb passes
+        # 2**31 elements once the pool is a few GB, and an int32 product would silently wrap.
+        pos = n0 + n
+        tok_ok = pos < end
+        physical = tl.load(block_tables_ptr + seq * stride_ts + (pos // BLOCK_SIZE) * stride_tb,
+                           mask=tok_ok, other=0).to(tl.int64)
+        slot = physical * stride_kb + (pos % BLOCK_SIZE) * stride_kt
         kv_mask = tok_ok[:, None] & dim_ok[None, :]
-        k = tl.load(key_cache_ptr + physical * stride_kb + t[:, None] * stride_kt
-                    + kv_head * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + physical * stride_vb + t[:, None] * stride_vt
-                    + kv_head * stride_vh + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        k = tl.load(key_cache_ptr + slot[:, None] + kv_head * stride_kh + d[None, :] * stride_kd,
+                    mask=kv_mask, other=0.0)  # [TILE_N, HEAD_DIM_PAD]
+        v_slot = physical * stride_vb + (pos % BLOCK_SIZE) * stride_vt
+        v = tl.load(value_cache_ptr + v_slot[:, None] + kv_head * stride_vh + d[None, :] * stride_vd,
+                    mask=kv_mask, other=0.0)
 
-        # Scores for every (query head, token) pair: [GROUP_PAD, BLOCK_SIZE_PAD]. A broadcast
-        # multiply and sum rather than tl.dot, which needs every side >= 16; a group of 1-8
-        # heads does not have that, and decode is bound by reading K/V, not by this arithmetic.
-        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        s = tl.where(tok_ok[None, :], s, float("-inf"))  # masked tokens get zero weight
+        # Scores for every (query head, token) pair, [TILE_H, TILE_N], on tensor cores with an
+        # fp32 accumulator. Scaling by scale*log2(e) here lets the softmax use exp2 directly.
+        if IEEE_FP32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # fp32 inputs: no TF32 rounding
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(tok_ok[None, :], s * scale_log2e, float("-inf"))  # masked tokens: zero weight
 
-        # Fold the block in. Every block visited holds at least one real token, so m_new is
-        # finite; on the first block exp2(-inf - m_new) = 0 wipes the empty initial state.
+        # Fold the tile in. Every tile visited holds at least one real token, so m_new is finite;
+        # on the first tile exp2(-inf - m_new) = 0 wipes the empty initial state.
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)  # rescales what was summed under the old max
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        # P @ V on tensor cores: the probabilities are rounded to V's dtype first (as
+        # FlashAttention does); the sum over tokens still accumulates in fp32.
+        if IEEE_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
     out_mask = head_ok[:, None] & dim_ok[None, :]
@@ -132,7 +146,7 @@ def _paged_attention_kernel(
         tl.store(part_sum_ptr + row, l, mask=head_ok)
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
     else:
-        out = acc / l[:, None]  # l >= 1: the max term contributes exp2(0)
+        out = acc / l[:, None]  # l >= 1 for real rows: the max term contributes exp2(0)
         tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :] * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -194,6 +208,40 @@ def split_plan(max_blocks_per_seq: int, num_splits: int) -> tuple[int, int]:
     return triton.cdiv(max_blocks_per_seq, blocks_per_split), blocks_per_split
 
 
+def launch_meta(group: int, head_dim: int, block_size: int, fp32: bool = False) -> dict:
+    """The attention kernel's tile sizes and launch options for one shape (compile-time constants).
+
+    Chosen from the compiled kernels' resource numbers (``python -m minikv bench kernel --static``),
+    not by guess: see kernels/resources.py. Every tl.dot side must be a power of two >= 16.
+    """
+    pow2 = triton.next_power_of_2
+    # Head rows per program: the group padded to >= 16, but at most 64, so that a multi-query
+    # group (Falcon-7B: 71 heads on one KV head) is cut over two programs instead of holding a
+    # [128, head_dim] fp32 accumulator in registers.
+    head_tiles = triton.cdiv(group, 64)
+    tile_h = max(16, pow2(triton.cdiv(group, head_tiles)))
+    head_dim_pad = max(16, pow2(head_dim))
+    return dict(
+        # 16 tokens per step whatever the block size: 32 raised a T4's registers from 127 to 208
+        # per thread for Llama-3-8B (half the resident warps) and spilled at head_dim 256.
+        BLOCK_SIZE=block_size, TILE_N=16,
+        GROUP=group, TILE_H=tile_h, HEAD_TILES=head_tiles,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        IEEE_FP32=fp32,
+        # A [64, 64] (MQA) or [16, 256] (Gemma) accumulator over 4 warps takes ~220-240 registers
+        # per thread on a T4; over 8 warps, ~126.
+        num_warps=8 if tile_h * head_dim_pad >= 4096 else 4,
+        # Two stages: the next tile's K/V loads are issued while this one is being used.
+        num_stages=2,
+    )
+
+
+def combine_warps(splits_pad: int, head_dim_pad: int) -> int:
+    """Warps for the combine kernel, which holds all splits' [SPLITS_PAD, HEAD_DIM_PAD] partial
+    outputs at once: at 64 splits of head_dim 256, 4 warps needed ~190 registers per thread."""
+    return 8 if splits_pad * head_dim_pad > 8192 else 4
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -240,23 +288,55 @@ def paged_attention(
     else:
         part_max = part_sum = part_acc = out  # placeholders: the unsplit kernel never touches them
 
-    group = num_heads // num_kv_heads
-    pow2 = triton.next_power_of_2
-    _paged_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+    meta = launch_meta(num_heads // num_kv_heads, head_dim, block_size, query.dtype == torch.float32)
+    _paged_attention_kernel[(num_seqs, num_kv_heads * meta["HEAD_TILES"], num_splits)](
         out, part_max, part_sum, part_acc,
         query, key_cache, value_cache, block_tables, seq_lens,
         scale * LOG2E, num_splits, blocks_per_split,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(), *out.stride(),
-        BLOCK_SIZE=block_size, BLOCK_SIZE_PAD=pow2(block_size),
-        GROUP=group, GROUP_PAD=pow2(group),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim),
-        SPLIT_KV=num_splits > 1,
-        # The [group, block, head_dim] score product lives in registers: give big tiles more warps.
-        num_warps=8 if pow2(group) * pow2(block_size) * pow2(head_dim) > 8192 else 4,
+        SPLIT_KV=num_splits > 1, **meta,
     )
     if num_splits > 1:
+        splits_pad, head_dim_pad = triton.next_power_of_2(num_splits), triton.next_power_of_2(head_dim)
         _combine_splits_kernel[(num_seqs, num_heads)](
             out, part_max, part_sum, part_acc, num_splits, *out.stride(),
-            SPLITS_PAD=pow2(num_splits), HEAD_DIM=head_dim, HEAD_DIM_PAD=pow2(head_dim),
+            SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            num_warps=combine_warps(splits_pad, head_dim_pad),
         )
     return out
+
+
+def compile_specs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, split: bool, dtype: str,
+                  **overrides):
+    """What a launch of this shape compiles, for kernels/resources.py to compile without a GPU.
+
+    Yields (name, kernel, signature, constexprs, num_warps, num_stages) for the attention kernel
+    and, when ``split``, the combine kernel. Strides are those of contiguous tensors: the ones
+    equal to 1 become constants and the rest are marked divisible by 16 when they are, exactly
+    as Triton specialises a real launch. ``overrides`` replace launch_meta's choices (for tuning).
+    """
+    ptr = "*" + dtype
+    meta = launch_meta(num_heads // num_kv_heads, head_dim, block_size, dtype == "fp32") | overrides
+    warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
+    sig = dict(out_ptr=ptr, part_max_ptr="*fp32", part_sum_ptr="*fp32", part_acc_ptr="*fp32", query_ptr=ptr,
+               key_cache_ptr=ptr, value_cache_ptr=ptr, block_tables_ptr="*i32", seq_lens_ptr="*i32",
+               scale_log2e="fp32", num_splits="i32", blocks_per_split="i32")
+    strides = dict(stride_qs=num_heads * head_dim, stride_qh=head_dim, stride_qd=1,
+                   stride_kb=block_size * num_kv_heads * head_dim, stride_kt=num_kv_heads * head_dim,
+                   stride_kh=head_dim, stride_kd=1)
+    strides.update({k.replace("_k", "_v"): v for k, v in strides.items() if k.startswith("stride_k")})
+    strides.update(stride_ts=1000, stride_tb=1, stride_os=num_heads * head_dim, stride_oh=head_dim, stride_od=1)
+    sig.update({k: "i32" for k, v in strides.items() if v != 1})
+    const = {k: 1 for k, v in strides.items() if v == 1}
+    const["_divisible_by_16"] = {k: v % 16 == 0 for k, v in strides.items() if v != 1}
+    const.update(meta, SPLIT_KV=split)
+    specs = [("attention", _paged_attention_kernel, sig, const, warps, stages)]
+    if split:
+        csig = dict(out_ptr=ptr, part_max_ptr="*fp32", part_sum_ptr="*fp32", part_acc_ptr="*fp32", num_splits="i32",
+                    stride_os="i32", stride_oh="i32")
+        # The most splits a launch can have: the largest tile the combine kernel ever holds.
+        head_dim_pad = triton.next_power_of_2(head_dim)
+        cconst = dict(stride_od=1, SPLITS_PAD=MAX_SPLITS, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+                      _divisible_by_16=dict(stride_os=True, stride_oh=head_dim % 16 == 0))
+        specs.append(("combine", _combine_splits_kernel, csig, cconst, combine_warps(MAX_SPLITS, head_dim_pad), 3))
+    return specs

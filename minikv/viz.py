@@ -366,10 +366,12 @@ def roofline_figure(gpus: Sequence, workloads: Mapping[str, tuple[float, str]], 
     (black dot), then stays flat at its fp16 tensor-core peak: what a kernel that multiplies with
     ``tl.dot`` / cuBLAS could reach. ``cuda_core_tflops`` (GPU name -> fp32 TFLOP/s, datasheet) adds
     a second, lower flat roof per GPU (purple, same line style, purple dot at its ridge): the ceiling
-    of a kernel that does its arithmetic in fp32 on the ordinary CUDA cores, like the course's kernel.
+    of a kernel that does its arithmetic in fp32 on the ordinary CUDA cores, like the course kernel's
+    first version. Every ridge dot is labelled with its GPU's name, so roofs that coincide (H100 and
+    H200 share both peaks) stay apart.
     Both roofs share the bandwidth slope. Each workload is a vertical line, with a dot where it meets
     every tensor-core roof."""
-    fig = Figure(figsize=(10, 6))
+    fig = Figure(figsize=(11, 7))
     ax = fig.add_subplot()
     cuda_core_tflops = cuda_core_tflops or {}
     x = np.geomspace(0.25, 5000, 400)
@@ -379,23 +381,29 @@ def roofline_figure(gpus: Sequence, workloads: Mapping[str, tuple[float, str]], 
         label = f"{g.name}: {tb_s:.2f} TB/s; tensor-core fp16 {g.fp16_tflops:.0f} TFLOP/s, ridge {ridge:.0f}"
         ax.plot(x, np.minimum(g.fp16_tflops, tb_s * x), "k", ls=style, lw=1.6)
         ax.plot(ridge, g.fp16_tflops, "ko", ms=4)
+        # GPUs with the same peak share a flat roof (H100 and H200: same compute, more bandwidth);
+        # naming each ridge dot keeps them apart where the lines coincide.
+        ax.annotate(g.name, (ridge, g.fp16_tflops), xytext=(-4, 6), textcoords="offset points", fontsize=8.5,
+                    ha="right")
         if g.name in cuda_core_tflops:
             peak = cuda_core_tflops[g.name]
             ridge32 = peak / tb_s
             flat = x >= ridge32
             ax.plot(x[flat], np.full(flat.sum(), peak), color="tab:purple", ls=style, lw=1.6)
             ax.plot(ridge32, peak, "o", color="tab:purple", ms=4)
+            ax.annotate(g.name, (ridge32, peak), xytext=(-4, 6), textcoords="offset points", fontsize=8.5,
+                        ha="right", color="tab:purple")
             label += f";\n    CUDA-core fp32 {peak:g} TFLOP/s, ridge {ridge32:.0f} FLOP/B"
         ax.plot([], [], "k", ls=style, lw=1.6, label=label)
-    gpu_legend = ax.legend(loc="upper left", fontsize=7.5, title="roofs (datasheet): black tensor-core fp16, "
-                           "purple CUDA-core fp32", title_fontsize=8)
+    gpu_legend = ax.legend(loc="upper left", fontsize=9, title="roofs (datasheet): black tensor-core fp16, "
+                           "purple CUDA-core fp32", title_fontsize=9)
     ax.add_artist(gpu_legend)
     lines = []
     for label, (i, color) in workloads.items():
         lines.append(ax.axvline(i, color=color, lw=1.5, alpha=0.8, label=f"{label}: {i:,.0f} FLOP/B"))
         for g in gpus:
             ax.plot(i, min(g.fp16_tflops, g.bandwidth_gb_s * i / 1e3), "o", color=color, ms=5)
-    ax.legend(handles=lines, loc="lower right", fontsize=8, title="workload (fp16 data)", title_fontsize=8)
+    ax.legend(handles=lines, loc="lower right", fontsize=9, title="workload (fp16 data)", title_fontsize=9)
     ax.set(xscale="log", yscale="log", xlim=(0.25, 5000), ylim=(0.015, 5000),
            xlabel="arithmetic intensity (FLOP per byte read from memory)", ylabel="attainable TFLOP/s")
     ax.set_title(title, fontsize=10)

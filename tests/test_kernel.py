@@ -276,16 +276,20 @@ def test_kernel_bench_plot_draws_bandwidth_and_overhead() -> None:
 
     rows = [
         dict(dtype=dtype, batch=batch, context=ctx, kernel_us=10.0 * batch * ctx / 512, gbps=ctx / 10,
-             copy_share=ctx / 40000, sdpa_us=8.0 * batch * ctx / 512, vs_sdpa=1.25, max_abs_err=1e-3)
+             copy_share=ctx / 40000, sdpa_us=8.0 * batch * ctx / 512, vs_sdpa=1.25, max_abs_err=1e-3,
+             permuted_vs_identity=1.02)
         for dtype in ("float16", "bfloat16") for batch in (1, 8) for ctx in (512, 4096)
     ]
     fig = plot(rows)
     bandwidth, overhead = fig.get_axes()
     for ax in (bandwidth, overhead):  # one line per (dtype, batch), each over both contexts
-        series = {line.get_label(): list(line.get_xdata()) for line in ax.get_lines() if "batch" in line.get_label()}
+        series = {line.get_label(): list(line.get_xdata()) for line in ax.get_lines()
+                  if "batch" in line.get_label() and "in-order" not in line.get_label()}
         assert sorted(series) == ["bfloat16, batch 1", "bfloat16, batch 8", "float16, batch 1", "float16, batch 8"]
         assert all(xs == [512, 4096] for xs in series.values())
     assert "GB/s" in bandwidth.get_ylabel()
+    dashed = [line for line in overhead.get_lines() if "in-order" in line.get_label()]
+    assert len(dashed) == 4 and all(list(line.get_ydata()) == [1.02, 1.02] for line in dashed)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU Triton compiles; no interpreter switch involved")

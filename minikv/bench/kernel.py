@@ -96,8 +96,8 @@ def bench_config(batch: int, context: int, dtype: torch.dtype, block_size: int, 
     elem = torch.finfo(dtype).bits // 8
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * elem  # K and V
     flash = _flash_attn()
-    # Contiguous copy + paged pool (+ a second pool for FlashAttention) + 10% slack.
-    needed = kv_bytes * (3 if flash else 2) * 1.1
+    # Contiguous copy + paged pool + the same pool in table order (+ a pool for FlashAttention) + 10% slack.
+    needed = kv_bytes * (4 if flash else 3) * 1.1
     free, _ = torch.cuda.mem_get_info(device)
     if needed > free:
         return row | dict(status=f"skipped: needs {needed / 1e9:.0f} GB, {free / 1e9:.0f} GB free")
@@ -138,6 +138,19 @@ def bench_config(batch: int, context: int, dtype: torch.dtype, block_size: int, 
     # `context` tokens per sequence), the query, the output it writes, the tables and lengths.
     bytes_moved = kv_bytes + 2 * query.numel() * elem + block_tables.numel() * 4 + seq_lens.numel() * 4
     kernel_ms, sdpa_ms = _time_ms(kernel), _time_ms(sdpa)
+    # The clean price of the indirection: the same kernel, the same tokens, but every sequence's
+    # blocks stored in order (block table = 0, 1, 2, ...), against the scattered pool above. Only
+    # where the blocks lie differs, so the ratio is what scattering costs this kernel; the paper's
+    # 20-26% compares two different kernels and so also measures how good each one is.
+    order = block_tables.flatten().long()  # pool slot of sequence s's block b, in (s, b) order
+    ordered_k, ordered_v = key_cache[order], value_cache[order]
+    identity = torch.arange(num_blocks, dtype=torch.int32, device=device).view(batch, blocks_per_seq)
+    ordered_got = paged_attention(query, ordered_k, ordered_v, identity, seq_lens, scale)
+    if not torch.equal(ordered_got, got):
+        return row | dict(status="WRONG: identity-table answer differs from the permuted-table answer")
+    identity_ms = _time_ms(lambda: paged_attention(query, ordered_k, ordered_v, identity, seq_lens, scale,
+                                                   check_inputs=False))
+    del ordered_k, ordered_v
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     row |= dict(
         status="ok",
@@ -149,6 +162,8 @@ def bench_config(batch: int, context: int, dtype: torch.dtype, block_size: int, 
         copy_share=bytes_moved / (kernel_ms * 1e-3) / 1e9 / copy_gbps,
         sdpa_us=sdpa_ms * 1e3,
         vs_sdpa=kernel_ms / sdpa_ms,
+        identity_us=identity_ms * 1e3,
+        permuted_vs_identity=kernel_ms / identity_ms,
     )
     if flash is not None:
         row |= _bench_flash(flash, query, k, v, key_cache, value_cache, block_tables, seq_lens, scale, kernel_ms)
@@ -189,7 +204,9 @@ def _bench_flash(flash: Callable[..., torch.Tensor], query: torch.Tensor, k: tor
 def _print_table(rows: Sequence[Row]) -> None:
     cols = [("dtype", "{}"), ("batch", "{}"), ("context", "{}"), ("num_splits", "{}"), ("kernel_us", "{:.1f}"),
             ("gbps", "{:.0f}"), ("copy_share", "{:.0%}"), ("sdpa_us", "{:.1f}"), ("vs_sdpa", "{:.2f}x"),
-            ("fa_contig_us", "{:.1f}"), ("fa_paged_us", "{:.1f}"), ("status", "{}")]
+            ("identity_us", "{:.1f}"), ("permuted_vs_identity", "{:.2f}x"),
+            ("fa_contig_us", "{:.1f}"), ("fa_paged_us", "{:.1f}"), ("regs", "{}"), ("spill_bytes", "{}"),
+            ("occupancy", "{:.0%}"), ("status", "{}")]
     cols = [(name, fmt) for name, fmt in cols if any(name in r for r in rows)]
     cells = [[name for name, _ in cols]]
     cells += [[fmt.format(r[name]) if name in r else "-" for name, fmt in cols] for r in rows]
@@ -200,7 +217,8 @@ def _print_table(rows: Sequence[Row]) -> None:
 
 def plot(results: Sequence[Row]) -> Figure:
     """Left: achieved bandwidth vs context, one line per (dtype, batch), with the copy ceiling.
-    Right: kernel time / contiguous SDPA time, with the vLLM paper's 1.20-1.26x band."""
+    Right: kernel time / contiguous SDPA time (solid) and, dashed, kernel time on scattered blocks /
+    on the same blocks in order, with the vLLM paper's 1.20-1.26x band."""
     import matplotlib.pyplot as plt
 
     rows = [r for r in results if "kernel_us" in r]
@@ -209,14 +227,17 @@ def plot(results: Sequence[Row]) -> Figure:
         mine = sorted((r for r in rows if r["dtype"] == dtype and r["batch"] == batch), key=lambda r: r["context"])
         label = f"{dtype}, batch {batch}"
         bw.plot([r["context"] for r in mine], [r["gbps"] for r in mine], marker="o", label=label)
-        ratio.plot([r["context"] for r in mine], [r["vs_sdpa"] for r in mine], marker="o", label=label)
+        line, = ratio.plot([r["context"] for r in mine], [r["vs_sdpa"] for r in mine], marker="o", label=label)
+        if all("permuted_vs_identity" in r for r in mine):  # same colour, dashed: the clean indirection cost
+            ratio.plot([r["context"] for r in mine], [r["permuted_vs_identity"] for r in mine], marker="x",
+                       linestyle="--", color=line.get_color(), label=f"{label}: scattered / in-order table")
     copies = [r["copy_gbps"] for r in rows if "copy_gbps" in r]
     if copies:
         bw.axhline(max(copies), color="black", linestyle="--", linewidth=1, label="device copy (measured)")
     bw.set(xscale="log", xlabel="context (tokens)", ylabel="achieved GB/s", title="paged kernel bandwidth")
     ratio.axhspan(1.20, 1.26, color="tab:red", alpha=0.15, label="vLLM paper: paged 20-26% slower")
     ratio.axhline(1.0, color="black", linewidth=1)
-    ratio.set(xscale="log", xlabel="context (tokens)", ylabel="paged kernel time / contiguous SDPA time",
+    ratio.set(xscale="log", xlabel="context (tokens)", ylabel="time ratio (solid: vs SDPA; dashed: vs in-order)",
               title="cost of paging (lower is better)")
     contexts = sorted({r["context"] for r in rows})
     for ax in (bw, ratio):
@@ -224,6 +245,123 @@ def plot(results: Sequence[Row]) -> Figure:
         ax.minorticks_off()
         ax.legend(fontsize=8)
     return fig
+
+
+# --- static numbers: what the compiled kernel holds, read from cubins compiled for named GPUs ---
+
+STATIC_CONTEXT = 4096  # tokens per sequence in the "bytes per decode call" column
+BEFORE_JSON = Path(__file__).resolve().parents[2] / "kernels" / "resources_before.json"
+IDEAL_GPUS = ("T4", "A100-80GB", "H100")
+
+
+def decode_call_bytes(num_heads: int, num_kv_heads: int, head_dim: int, context: int, batch: int = 1,
+                      block_size: int = 16, elem: int = 2) -> int:
+    """What one layer's decode call must read and write at the least: every cached K/V byte of every
+    sequence once, the query, the output, the block tables (int32) and the lengths."""
+    blocks = -(-context // block_size)
+    return (2 * batch * context * num_kv_heads * head_dim * elem + 2 * batch * num_heads * head_dim * elem
+            + batch * blocks * 4 + batch * 4)
+
+
+def static_rows(configs: Sequence[Any], context: int = STATIC_CONTEXT) -> list[Row]:
+    """Compile each config for its target (no GPU needed) and return one row per compiled kernel,
+    with the bytes a decode call moves and the time a perfect memory-bound kernel would take."""
+    from kernels.resources import static_resources
+    from minikv.sizing import gpu_spec
+
+    rows = []
+    for res in static_resources(list(configs)):
+        row = res.as_row()
+        if res.kernel == "attention":
+            c = res.config
+            nbytes = decode_call_bytes(c.num_heads, c.num_kv_heads, c.head_dim, context, block_size=c.block_size)
+            row |= dict(context=context, bytes=nbytes)
+            row |= {f"ideal_us_{g}": nbytes / (gpu_spec(g).bandwidth_gb_s * 1e9) * 1e6 for g in IDEAL_GPUS}
+        rows.append(row)
+    return rows
+
+
+def before_rows() -> list[Row]:
+    """The first kernel's numbers (broadcast multiply-and-sum, no tl.dot), compiled the same way
+    at the commit named in the file, kept so the rework can be compared with what it replaced."""
+    if not BEFORE_JSON.exists():
+        return []
+    return json.loads(BEFORE_JSON.read_text())["rows"]
+
+
+def _key(row: Row) -> tuple:
+    return (row["model"], row["block_size"], row["dtype"], row["split"], row["arch"], row["kernel"])
+
+
+def print_static_table(rows: Sequence[Row], before: Sequence[Row] = ()) -> None:
+    """Registers, spills, shared memory and occupancy per compiled kernel, the first kernel's
+    registers, spills and resident warps beside them where known (kernels/resources_before.json),
+    and the memory-bound ideal time per GPU."""
+    from kernels.resources import ARCHS
+
+    old = {_key(r): r for r in before}
+    cols = ["model", "gpu", "dtype", "block", "split", "kernel", "warps", "regs", "spill B", "stack B", "smem KiB",
+            "resident warps", "occupancy", "before regs", "before spill B", "before warps", "KiB/call"]
+    cols += [f"ideal us {g}" for g in IDEAL_GPUS]
+    cells = [cols]
+    for r in rows:
+        b = old.get(_key(r), {})
+        cells.append([
+            r["model"], f"sm_{r['arch']} ({ARCHS.get(r['arch'], '?')})", r["dtype"], str(r["block_size"]),
+            "yes" if r["split"] else "no", r["kernel"], str(r["num_warps"]), str(r["registers"]),
+            str(r["spill_stores"]), str(r["stack"]), f"{r['shared'] / 1024:.1f}",
+            f"{r['resident_warps']} ({r['limited_by']})", f"{r['occupancy']:.0%}",
+            str(b.get("registers", "-")), str(b.get("spill_stores", "-")), str(b.get("resident_warps", "-")),
+            f"{r['bytes'] / 1024:.0f}" if "bytes" in r else "-",
+        ] + [f"{r[f'ideal_us_{g}']:.1f}" if f"ideal_us_{g}" in r else "-" for g in IDEAL_GPUS])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    for row in cells:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+
+
+def static_grid(full: bool) -> list[Any]:
+    """The configs `--static` compiles: the headline shapes (Llama-3-8B, Llama-3-70B, SmolLM2 at
+    block 16, fp16, on sm_75/80/90, unsplit and split) or, with --full, the compile test's grid."""
+    from kernels.resources import full_grid, headline_grid
+
+    return full_grid() if full else headline_grid()
+
+
+def cli_static(args: argparse.Namespace) -> int:
+    from kernels.resources import MAX_REGISTERS
+
+    configs = static_grid(args.full)
+    print(f"compiling {len(configs)} configs for their target GPUs (no GPU needed; a few seconds each) ...",
+          flush=True)
+    rows = static_rows(configs, args.context)
+    print_static_table(rows, before_rows())
+    print(f"KiB/call and ideal us: one layer, one sequence of {args.context:,} tokens, read once at the "
+          f"GPU's datasheet bandwidth. Budget: no spills, <= {MAX_REGISTERS} registers per thread.")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+        print(f"wrote {len(rows)} rows to {args.json}")
+    return 1 if any(r["spill_stores"] or r["registers"] > MAX_REGISTERS for r in rows) else 0
+
+
+def _add_static_numbers(rows: list[Row], dtypes: Sequence[str], block_size: int, device: torch.device) -> None:
+    """Put the compiled kernel's registers, spills and occupancy on this card beside each measured row."""
+    from kernels.resources import KernelConfig, static_resources
+
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = 10 * major + minor
+    configs = [KernelConfig("llama-3-8b", NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, block_size, dtype, split, arch)
+               for dtype in dtypes for split in (False, True)]
+    try:
+        found = {(r.config.dtype, r.config.split, r.kernel): r for r in static_resources(configs)}
+    except Exception as err:  # static numbers are a bonus beside the measurement: say why they are missing
+        print(f"static numbers for sm_{arch} unavailable: {str(err)[:200]}")
+        return
+    for row in rows:
+        if "num_splits" not in row:
+            continue
+        res = found[(row["dtype"], row["num_splits"] > 1, "attention")]
+        row |= dict(regs=res.registers, spill_bytes=res.spill_stores, smem=res.shared,
+                    resident_warps=res.resident_warps, occupancy=res.occupancy, arch=arch)
 
 
 def cli(argv: list[str]) -> int:
@@ -237,7 +375,15 @@ def cli(argv: list[str]) -> int:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     parser.add_argument("--device", default="cuda", help="which GPU (default: cuda, the current one)")
     parser.add_argument("--plot", metavar="PATH", type=Path, help="save the figure (png, svg, pdf)")
+    parser.add_argument("--static", action="store_true",
+                        help="no GPU needed: compile for sm_75/80/90 and print registers, spills, shared memory, "
+                        "occupancy, bytes per decode call and the ideal memory-bound time on a T4, A100, H100")
+    parser.add_argument("--full", action="store_true", help="with --static: every shape, block size, dtype and split")
+    parser.add_argument("--context", type=int, default=STATIC_CONTEXT,
+                        help=f"with --static: tokens per sequence for the bytes column (default {STATIC_CONTEXT})")
     args = parser.parse_args(argv)
+    if args.static:
+        return cli_static(args)
     if not torch.cuda.is_available():
         print(NO_GPU)
         return 0
@@ -254,6 +400,7 @@ def cli(argv: list[str]) -> int:
     for dtype, batch, context in tqdm(grid, desc="kernel bench", unit="config"):
         rows.append(bench_config(batch, context, DTYPES[dtype], args.block_size, copy_gbps, device))
         torch.cuda.empty_cache()  # the next configuration may need most of the card
+    _add_static_numbers(rows, dtypes, args.block_size, device)
     _print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
