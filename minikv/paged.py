@@ -511,29 +511,37 @@ def compare_prefix_reuse(model, prompts, block_size: int = 16, runs: int = 5, ve
     """Prefill tokens computed and time to first token for ``prompts`` (1-D token id sequences that
     share a prefix, e.g. one system prompt and several questions), without and with prefix caching.
 
-    ``prompts[0]`` is sent first, untimed, to warm the model up and (with caching) to fill the
-    cache; then every other prompt is timed ``runs`` times, each a fresh ``generate`` call of one
-    new token (``prefill_hits`` included in the time). Returns medians and token counts."""
+    Before each timed call the cache forgets what it holds and ``prompts[0]`` is sent, untimed (it
+    warms the model up and, with caching, leaves only the shared prefix cached); then one of the
+    other prompts is timed: a fresh ``generate`` of one new token, ``prefill_hits`` included.
+    Every other prompt is timed ``runs`` times. Returns medians and token counts."""
     prompts = [torch.as_tensor(p, dtype=torch.long).reshape(1, -1).to(model.device) for p in prompts]
     if len(prompts) < 2:
         raise ValueError("give at least two prompts: the first fills the cache, the others are timed")
     num_blocks = 2 * blocks_for(max(p.shape[1] for p in prompts) + 1, block_size) + 1
     result = {"prompt_tokens": runs * sum(p.shape[1] for p in prompts[1:])}
+
+    def first_token(cache, ids) -> tuple[float, int]:
+        cache.reset()
+        t0 = time.perf_counter()
+        hit = cache.prefill_hits(ids)
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+                       max_new_tokens=1, pad_token_id=0)
+        return time.perf_counter() - t0, ids.shape[1] - hit
+
     for caching in (False, True):
         cache = PagedKVCache(model.config, num_blocks, block_size, dtype=model.dtype, device=model.device,
                              enable_prefix_caching=caching)
         times, computed = [], 0
-        for ids in [prompts[0]] + prompts[1:] * runs:
+        for ids in prompts[1:] * runs:
             cache.reset()
-            t0 = time.perf_counter()
-            hit = cache.prefill_hits(ids)
-            model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
-                           max_new_tokens=1, pad_token_id=0)
-            times.append(time.perf_counter() - t0)
-            computed += ids.shape[1] - hit
-        computed -= prompts[0].shape[1]  # the untimed first call
+            cache.manager.reset_prefix_cache()
+            first_token(cache, prompts[0])
+            seconds, tokens = first_token(cache, ids)
+            times.append(seconds)
+            computed += tokens
         key = "with" if caching else "without"
-        result[f"computed_{key}"], result[f"ttft_{key}_s"] = computed, median(times[1:])
+        result[f"computed_{key}"], result[f"ttft_{key}_s"] = computed, median(times)
     result["skipped_fraction"] = 1 - result["computed_with"] / result["prompt_tokens"]
     result["ttft_ratio"] = result["ttft_without_s"] / result["ttft_with_s"]
     if verbose:
