@@ -277,7 +277,8 @@ class PagedKVCache(Cache):
         else:
             writers = self._check_batch(rows)
         # All or nothing: check every row before taking a single block, so a failure leaves
-        # the pool, the tables and every other sequence's blocks as they were.
+        # the pool, the tables and every other sequence's blocks as they were. (Cautious by a
+        # block or so: k rows sharing a partial block each count a copy, but the last writes in place.)
         needed = sum(self.manager.blocks_needed(s, new) for s in writers)
         free = self.manager.num_free_blocks
         if needed > free:
