@@ -579,7 +579,7 @@ def _smollm2_figures() -> None:  # pragma: no cover - prints the stage-5 figures
                                              add_generation_prompt=True, return_tensors="pt",
                                              return_dict=True)["input_ids"][0] for q in questions]
     print(f"a shared system prompt ({len(tokenizer(system).input_ids)} tokens) and {len(questions)} questions:")
-    compare_prefix_reuse(model, prompts)
+    compare_prefix_reuse(model, prompts, runs=3)
 
 
 if __name__ == "__main__":
