@@ -91,3 +91,26 @@ def test_bench_prefix_json(capsys):
     assert report["system_prompt_prefill_skipped"] == pytest.approx(report["system_prompt_expected_skip"], abs=0.06)
     text = table(report)
     assert "beam width 4" in text and "eviction curve" in text and "Kwon" in text
+
+
+def test_pictures_of_shared_walls_draw():
+    from matplotlib.figure import Figure
+
+    from minikv.prefix import BlockManager
+    from minikv.viz import (blocks_per_step_figure, cow_figure, eviction_curve_figure, hash_chain_figure,
+                            sharing_savings_figure, shared_memory_map)
+
+    bm = BlockManager(12, 4)
+    for i, q in enumerate([[1, 2, 3], [4, 5, 6, 7, 8]]):
+        bm.open(i, list(range(10, 18)) + q)
+        bm.append(i, list(range(10, 18))[bm.num_tokens(i):] + q)
+    bm.fork(0, "0b")
+    bm.append("0b", [9])
+    figs = [shared_memory_map(bm, copies=bm.take_copies()), hash_chain_figure(bm), cow_figure(),
+            eviction_curve_figure([{"num_blocks": 10, "hit_rate": 0.1, "evictions": 5},
+                                   {"num_blocks": 20, "hit_rate": 0.6, "evictions": 0}]),
+            sharing_savings_figure({"parallel": {2: 0.05, 4: 0.08}, "beam": {2: 0.4, 4: 0.55}},
+                                   {"parallel": (0.061, 0.098)}),
+            blocks_per_step_figure([3, 4, 4], [6, 8, 8])]
+    assert all(isinstance(f, Figure) for f in figs)
+    assert "2 shared" in figs[0].axes[0].get_title()  # blocks 0 and 1 (the shared prompt blocks)
