@@ -1,21 +1,46 @@
-"""A paged KV cache for transformers: shared block pools, per-sequence block tables (stage 3).
+"""A paged KV cache for transformers: shared block pools, per-sequence block tables (stages 3 and 5).
 
 Instead of one worst-case slab per sequence, each layer owns one *pool* of fixed-size blocks,
 ``[num_blocks, block_size, num_kv_heads, head_dim]``, shared by every sequence. A sequence
-takes blocks only as its tokens arrive, from one ``BlockAllocator``; its ``BlockTable`` says
-which physical block holds each run of ``block_size`` tokens. One block id names the same
-block in every layer's pool (as in vLLM), so one table serves all layers.
+takes blocks only as its tokens arrive; its block table says which physical block holds each
+run of ``block_size`` tokens. One block id names the same block in every layer's pool (as in
+vLLM), so one table serves all layers. The tables live in a *block manager*: by default stage
+5's ``minikv.prefix.BlockManager``, one sequence per batch row.
 
 On each forward step:
 
 1. layer 0 finds room for the new tokens of every row (all rows or none: if the pool is
    short, ``OutOfBlocks`` says how many blocks were needed and how many were free, and no
-   sequence's blocks are touched) and records the *slot mapping*: where each new token goes;
+   sequence's blocks are touched), applies the block manager's copy-on-write copies to every
+   layer's pool, and records the *slot mapping*: where each new token goes;
 2. every layer scatters its new K/V into its pool at those slots;
 3. every layer gathers its sequences' K/V back through the block tables as
    ``[batch, kv_heads, seq, head_dim]``, so transformers' own attention (eager or sdpa) runs
    unchanged. That gather is a copy; the paged-attention kernel of stage 4 skips it by
    reading the blocks in place, with the same ``block_tables`` and ``seq_lens`` as here.
+
+**Shared blocks (stage 5).** Beam search reorders its beams after every step
+(``reorder_cache``): here that is refcount bookkeeping, a ``fork`` per surviving beam and a
+``free`` per dropped one, never a copy of the history. When two beams then write into the
+same partly filled last block, the manager copies that one block (copy-on-write) and the
+cache applies the copy to every layer's pool before the step writes. ``sharing_history``
+records, per step, the blocks in use and the blocks the same rows would take unshared.
+
+**Prompt reuse across calls.** With ``enable_prefix_caching=True`` full blocks of a prompt stay
+in the pool after ``reset()`` (evictable), keyed by a hash chain of their token ids. The cache
+only sees K/V, never token ids, so tell it the prompts first, then call generate with the
+*full* prompts::
+
+    cache.reset()
+    hit = cache.prefill_hits(input_ids, attention_mask)  # opens the rows on the cached blocks
+    model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, ...)
+
+generate asks ``cache.get_seq_length()`` (= ``hit``) and, because the attention mask is as long
+as ``input_ids``, feeds the model only ``input_ids[:, hit:]`` (``GenerationMixin._prefill``);
+positions come from the full mask, so the skipped tokens are simply not recomputed. A batch
+moves all rows together, so a batch reuses the *smallest* hit among its rows. A left-padded row
+is keyed by its padding too (``extra_key``), so pads never produce a false hit. Only prompt
+tokens are cached: the cache never learns the ids of the tokens generate produces.
 
 Padding tokens of a left-padded batch are stored like any other token (the attention mask
 hides them), exactly as transformers' DynamicCache does; the engine of stage 6 avoids them.
@@ -23,11 +48,16 @@ hides them), exactly as transformers' DynamicCache does; the engine of stage 6 a
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+from statistics import median
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from minikv.blocks import BlockAllocator, BlockTable, OutOfBlocks
+from minikv.blocks import BlockAllocator, BlockTable, OutOfBlocks, blocks_for
 from minikv.contiguous import cache_shape, resolve_dtype_device
+from minikv.prefix import BlockManager
 
 
 class PagedLayer(CacheLayerMixin):
@@ -38,7 +68,7 @@ class PagedLayer(CacheLayerMixin):
 
     def __init__(self, cache: PagedKVCache, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.cache = cache  # the shared bookkeeping: allocator, block tables, this step's slots
+        self.cache = cache  # the shared bookkeeping: block manager, rows, this step's slots
         self._allocate(dtype, device)
 
     def _allocate(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -58,15 +88,22 @@ class PagedLayer(CacheLayerMixin):
         if (heads, dim) != tuple(self.key_cache.shape[2:]):
             raise ValueError(f"the model gives K/V with {heads} heads of {dim}, but the pools were built for "
                              f"{tuple(self.key_cache.shape[2:])}: build the cache from this model's config")
-        slots, token_slots = self.cache.slot_mapping, self.cache.token_slots
+        slots, token_slots, writers = self.cache.slot_mapping, self.cache.token_slots, self.cache.write_rows
         out = []
         for pool, states in ((self.key_cache, key_states), (self.value_cache, value_states)):
+            if writers is not None:  # rows that share a prompt's blocks: one of them writes for all
+                states = states[writers]
             flat = pool.view(-1, heads, dim)  # [num_blocks * block_size, H, D]: a slot per row
             # [rows, H, new, D] -> [rows * new, H, D], ordered like slot_mapping (row-major).
-            flat.index_copy_(0, slots, states.transpose(1, 2).reshape(rows * new, heads, dim))
+            flat.index_copy_(0, slots, states.transpose(1, 2).reshape(-1, heads, dim))
             # Gather every cached token of every row: [rows, seq, H, D] -> [rows, H, seq, D].
             out.append(flat[token_slots].transpose(1, 2))
         return out[0], out[1]
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write: block ``src[i]``'s K/V into block ``dst[i]``, in this layer's pools."""
+        for pool in (self.key_cache, self.value_cache):
+            pool[dst] = pool[src]
 
     def get_seq_length(self) -> int:
         return self.cache.get_seq_length()
@@ -82,38 +119,127 @@ class PagedLayer(CacheLayerMixin):
         pass  # stale K/V is never read: reads go through block tables. The cache frees the blocks.
 
 
+class TableManager:
+    """Stage 3's allocator and block tables behind the block manager's interface, with no sharing:
+    every sequence owns its blocks alone. It lets ``PagedKVCache(..., allocator=, table_cls=)``
+    run exercise 03's allocator and table class (which know nothing of prefixes or forks)."""
+
+    def __init__(self, block_size: int, allocator, table_cls: type = BlockTable):
+        self.block_size, self.allocator, self.table_cls = block_size, allocator, table_cls
+        self.num_blocks = allocator.num_blocks
+        self.tables: dict = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def open(self, seq_id, prompt_token_ids=(), extra_key: object = None) -> int:
+        self.tables[seq_id] = self.table_cls(self.block_size, self.allocator)
+        return 0  # no prefix cache: nothing is ever a hit
+
+    def blocks_needed(self, seq_id, n: int) -> int:
+        return self.tables[seq_id].blocks_needed(n)
+
+    def append(self, seq_id, token_ids) -> list[int]:
+        return self.tables[seq_id].append_tokens(token_ids if isinstance(token_ids, int) else len(token_ids))
+
+    def block_table(self, seq_id) -> list[int]:
+        return self.tables[seq_id].blocks
+
+    def num_tokens(self, seq_id) -> int:
+        return self.tables[seq_id].num_tokens
+
+    def fork(self, parent_id, child_id) -> None:
+        raise NotImplementedError(
+            "this PagedKVCache runs on a stage-3 allocator and block table (allocator=/table_cls=), which cannot "
+            "share blocks; beam search and batch reordering need the stage-5 block manager: build the cache "
+            "without allocator=/table_cls= (or pass manager=)")
+
+    def free(self, seq_id) -> None:
+        self.tables.pop(seq_id).free()
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        return []
+
+
+@dataclass
+class RowTable:
+    """What a batch row holds right now, read from the block manager (for pictures and checks)."""
+
+    blocks: list[int]
+    num_tokens: int
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
 class PagedKVCache(Cache):
     """A ``transformers.Cache`` storing K/V in fixed-size blocks from one shared pool per layer.
 
     ``PagedKVCache(model.config, num_blocks=256, block_size=16)`` reserves 256 blocks of 16
     token slots in every layer; sequences take them as they grow and give them back on
-    ``free(row)`` / ``reset()``.
+    ``free(row)`` / ``reset()``. Beam search and ``num_return_sequences`` work, on shared blocks.
     """
 
     def __init__(self, config, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None, *,
-                 allocator: BlockAllocator | None = None, table_cls: type[BlockTable] = BlockTable):
-        """``allocator`` and ``table_cls`` swap in another block allocator and block table with the
-        same interface (exercise 03 runs a learner's own through a real model this way)."""
+                 enable_prefix_caching: bool = False, manager=None,
+                 allocator: BlockAllocator | None = None, table_cls: type[BlockTable] | None = None):
+        """``enable_prefix_caching`` keeps prompts' full blocks cached across calls (see ``prefill_hits``).
+
+        ``manager`` swaps in another block manager with ``minikv.prefix.BlockManager``'s interface
+        (exercise 05 runs a learner's this way). ``allocator`` and ``table_cls`` swap in a stage-3
+        block allocator and block table instead (exercise 03); those cannot share blocks, so beam
+        search is refused with them."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        if allocator is not None and allocator.num_blocks != num_blocks:
-            raise ValueError(f"the allocator hands out {allocator.num_blocks} blocks but the pools would hold "
-                             f"{num_blocks}: build both with the same num_blocks")
-        self.allocator = allocator if allocator is not None else BlockAllocator(num_blocks)  # checks num_blocks >= 1
-        self.table_cls = table_cls
+        if manager is not None:
+            if allocator is not None or table_cls is not None or enable_prefix_caching:
+                raise ValueError("pass either manager= or allocator=/table_cls=/enable_prefix_caching=, not both: "
+                                 "prefix caching is then the manager's own setting")
+            for name, want in (("num_blocks", num_blocks), ("block_size", block_size)):
+                if getattr(manager, name, want) != want:
+                    raise ValueError(f"the block manager has {name}={getattr(manager, name)} but the pools would "
+                                     f"have {want}: build both with the same {name}")
+        elif allocator is not None or table_cls is not None:
+            if enable_prefix_caching:
+                raise ValueError("prefix caching needs the stage-5 block manager, not a stage-3 allocator/table: "
+                                 "drop allocator=/table_cls=")
+            if allocator is not None and allocator.num_blocks != num_blocks:
+                raise ValueError(f"the allocator hands out {allocator.num_blocks} blocks but the pools would hold "
+                                 f"{num_blocks}: build both with the same num_blocks")
+            manager = TableManager(block_size, allocator or BlockAllocator(num_blocks), table_cls or BlockTable)
+        else:
+            manager = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.manager = manager
         self.num_blocks, self.block_size = num_blocks, block_size
         self.shape = cache_shape(config)
-        self.tables: list[BlockTable] = []  # one per batch row, created at the first step
         dtype, device = resolve_dtype_device(config, dtype, device)
         layers = [PagedLayer(self, dtype, device) for _ in range(self.shape.num_layers)]
         super().__init__(layers=layers)
+        if isinstance(manager, BlockManager):
+            manager.bytes_per_block = self.bytes_per_block()
+        self.rows: list = []  # the block manager's sequence id of each batch row (None: freed)
+        self._next_id = 0
+        self._prompts: list[list[int]] | None = None  # told by prefill_hits, written at the first step
+        self.steps = 0  # forward steps of this batch
+        self.cow_copies = 0  # blocks copied on write, since the cache was built
+        self.sharing_history: list[tuple[int, int, int]] = []  # (step, blocks in use, blocks if unshared)
         self._clear_step()
 
     def _clear_step(self) -> None:
         device = self.layers[0].device
-        self.slot_mapping = torch.empty(0, dtype=torch.long, device=device)  # [rows * new] of the last step
+        self.slot_mapping = torch.empty(0, dtype=torch.long, device=device)  # [writers * new] of the last step
         self.token_slots = torch.empty(0, 0, dtype=torch.long, device=device)  # [rows, seq]: every token's slot
+        self.write_rows: torch.Tensor | None = None  # rows whose K/V this step writes; None: all
+
+    def _new_seq(self):
+        self._next_id += 1
+        return self._next_id
+
+    @property
+    def allocator(self):
+        return getattr(self.manager, "allocator", None)
 
     # ---- the step: layer 0 allocates, every layer writes and reads ----
 
@@ -128,47 +254,185 @@ class PagedKVCache(Cache):
         pool = self.layers[0].key_cache
         if (key_states.dtype, key_states.device) == (pool.dtype, pool.device):
             return
-        if self.allocator.num_used:
+        if self.get_seq_length() or self.manager.num_free_blocks < self.num_blocks:
             raise ValueError(
                 f"the pools hold {pool.dtype} K/V on {pool.device}, but the model now gives {key_states.dtype} on "
                 f"{key_states.device}; call cache.reset() first, or build the cache with dtype=model.dtype, "
                 "device=model.device")
         for layer in self.layers:
             layer.lazy_initialization(key_states, key_states)
+        if getattr(self.manager, "num_cached_blocks", 0):
+            self.manager.reset_prefix_cache()  # their K/V were in the old pools
         self._clear_step()
 
     def _reserve_slots(self, rows: int, new: int) -> None:
-        new_batch = all(t.num_tokens == 0 for t in self.tables)  # (or a first step that failed)
-        if new_batch:
-            self.tables = [self.table_cls(self.block_size, self.allocator) for _ in range(rows)]
-        if rows != len(self.tables):
-            raise ValueError(f"the batch changed from {len(self.tables)} to {rows} sequences mid-generation; "
+        self.write_rows = None
+        first = self._prompts is not None or all(s is None for s in self.rows)  # a new batch
+        if first:
+            try:
+                writers = self._open_batch(rows, new)
+            except Exception:
+                self.reset()  # nothing half-done stays behind: the next generate starts clean
+                raise
+        else:
+            writers = self._check_batch(rows)
+        # All or nothing: check every row before taking a single block, so a failure leaves
+        # the pool, the tables and every other sequence's blocks as they were.
+        needed = sum(self.manager.blocks_needed(s, new) for s in writers)
+        free = self.manager.num_free_blocks
+        if needed > free:
+            if first:
+                self.reset()
+            raise OutOfBlocks(needed, free, f"{new} new token(s) in each of {len(writers)} sequence(s)")
+        prompts, self._prompts = self._prompts, None
+        slots = [self.manager.append(s, prompts[i] if prompts else new) for i, s in enumerate(writers)]
+        self._apply_copies()
+        if first and len(writers) < rows:  # num_return_sequences / beams: the copies share the prompt's blocks
+            self._share_prompt(writers, rows // len(writers))
+        device = self.layers[0].device
+        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device).flatten()
+        self.token_slots = self._token_slots()
+        self.steps += 1
+        self.sharing_history.append((self.steps, *self.blocks_in_use_and_unshared()))
+
+    def _open_batch(self, rows: int, new: int) -> list:
+        """The rows that write this first step: one per prompt. generate repeats each prompt
+        ``num_return_sequences`` (or ``num_beams``) times; if prefill_hits told us the prompts,
+        one copy computes and stores them and the others share its blocks."""
+        self.steps, self.sharing_history = 0, []
+        if self._prompts is None:  # not told the prompts: every row computes its own
+            self.rows = [self._new_seq() for _ in range(rows)]
+            for seq in self.rows:
+                self.manager.open(seq, [])
+            return list(self.rows)
+        if rows % len(self.rows):
+            raise ValueError(f"prefill_hits was told {len(self.rows)} prompts, but generate runs {rows} rows; "
+                             "pass generate the same input_ids")
+        lengths = {len(p) for p in self._prompts}
+        if lengths != {new}:
+            raise ValueError(f"prefill_hits left {lengths.pop()} uncached token(s) per row to compute, but the "
+                             f"model was given {new}: pass generate the same full input_ids (and attention_mask) "
+                             "that prefill_hits was given")
+        return list(self.rows)
+
+    def _share_prompt(self, writers: list, copies: int) -> None:
+        self.rows = [seq if k == 0 else self._fork(seq) for seq in writers for k in range(copies)]
+        self.write_rows = torch.arange(0, len(self.rows), copies, device=self.layers[0].device)
+
+    def _check_batch(self, rows: int) -> list:
+        if rows != len(self.rows):
+            raise ValueError(f"the batch changed from {len(self.rows)} to {rows} sequences mid-generation; "
                              "call cache.reset() before starting a new batch")
-        if len({t.num_tokens for t in self.tables}) > 1:
+        if None in self.rows or len({self.manager.num_tokens(s) for s in self.rows}) > 1:
             raise ValueError("rows hold different numbers of tokens (was one freed?); a transformers batch "
                              "moves all rows together, so call cache.reset() and start the batch again")
-        # All or nothing: check every row before taking a single block, so a failure leaves
-        # the allocator, the tables and every other sequence's blocks as they were.
-        needed = sum(t.blocks_needed(new) for t in self.tables)
-        if needed > self.allocator.num_free:
-            raise OutOfBlocks(needed, self.allocator.num_free, f"{new} new token(s) in each of {rows} sequence(s)")
-        slots = [t.append_tokens(new) for t in self.tables]
-        step_slots = torch.tensor(slots, dtype=torch.long, device=self.layers[0].device)  # [rows, new]
-        self.slot_mapping = step_slots.flatten()
-        # Every cached token's slot, [rows, seq]: the earlier steps' slots and this step's. These are
-        # the numbers the paged-attention kernel computes from the block table:
-        # slot(b, t) = block_tables[b, t // block_size] * block_size + t % block_size.
-        self.token_slots = step_slots if new_batch else torch.cat([self.token_slots, step_slots], dim=1)
+        return list(self.rows)
 
-    # ---- what the kernel and the notebooks read ----
+    def _apply_copies(self) -> None:
+        """Copy-on-write copies the manager asked for, in every layer, before this step writes."""
+        copies = self.manager.take_copies()
+        if copies:
+            src, dst = torch.tensor(copies, dtype=torch.long, device=self.layers[0].device).T
+            for layer in self.layers:
+                layer.copy_blocks(src, dst)
+            self.cow_copies += len(copies)
+
+    def _token_slots(self) -> torch.Tensor:
+        """Every cached token's slot, ``[rows, seq]``: the numbers the paged-attention kernel computes
+        from the block table, slot(b, t) = block_tables[b, t // block_size] * block_size + t % block_size."""
+        seq = self.get_seq_length()
+        t = torch.arange(seq, device=self.layers[0].device)
+        return self.block_tables.long()[:, t // self.block_size] * self.block_size + t % self.block_size
+
+    # ---- prompts told in advance: prefix reuse across calls, shared prompts within one ----
+
+    def prefill_hits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """Tell the cache the prompts of the next ``generate`` call; returns how many leading tokens
+        of every row are already cached, which generate will then not compute.
+
+        Call it on an empty cache (after ``reset()``), then call generate with the same *full*
+        ``input_ids`` and ``attention_mask``. Rows of a batch move together, so the batch reuses
+        the smallest hit among its rows (a row that hit more is re-opened on that many tokens,
+        which the prefix-cache counters see as a second lookup). Left padding is allowed: a padded
+        row's blocks are keyed by its number of pads as well, so they only ever match a row padded
+        the same way. Knowing the prompts also lets ``num_return_sequences`` and beam search
+        share the prompt's blocks from the first step."""
+        if self.rows:
+            raise ValueError("the cache holds a batch already: call cache.reset() before prefill_hits")
+        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [batch, tokens] with tokens >= 1, got shape {tuple(input_ids.shape)}")
+        ids = input_ids.tolist()
+        mask = attention_mask.tolist() if attention_mask is not None else [[1] * len(r) for r in ids]
+        extras = []
+        for row, m in enumerate(mask):
+            pads = len(m) - sum(m)
+            if m != [0] * pads + [1] * (len(m) - pads) or pads == len(m):
+                raise ValueError(f"row {row}'s attention_mask {m} is not a left-padded prompt (zeros, then at least "
+                                 "one 1): PagedKVCache supports left padding only")
+            extras.append(None if pads == 0 else ("left-padded", pads))
+        self.rows = [self._new_seq() for _ in ids]
+        hits = [self.manager.open(seq, prompt, extra) for seq, prompt, extra in zip(self.rows, ids, extras)]
+        hit = min(hits)
+        for row, h in enumerate(hits):
+            if h > hit:  # re-open on `hit` tokens only: prompt[:hit + 1] has hit // block_size full blocks
+                self.manager.free(self.rows[row])
+                self.rows[row] = self._new_seq()
+                self.manager.open(self.rows[row], ids[row][:hit + 1], extras[row])
+        self._prompts = [prompt[hit:] for prompt in ids]
+        return hit
+
+    # ---- beams and copies: refcounts, not copies of the history ----
+
+    def _fork(self, seq):
+        child = self._new_seq()
+        self.manager.fork(seq, child)
+        return child
+
+    def _reindex(self, indices: list[int]) -> None:
+        """Row i becomes old row ``indices[i]``: the first row to take an old row keeps its sequence,
+        every further one forks it (shares all its blocks); old rows no one took are freed."""
+        if any(not 0 <= i < len(self.rows) for i in indices):
+            raise IndexError(f"row indices {indices} out of range for a batch of {len(self.rows)} rows")
+        taken, new_rows = set(), []
+        for i in indices:
+            new_rows.append(self.rows[i] if i not in taken else self._fork(self.rows[i]))
+            taken.add(i)
+        for i, seq in enumerate(self.rows):
+            if i not in taken and seq is not None:
+                self.manager.free(seq)
+        self.rows = new_rows
+        self.token_slots = self._token_slots()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i continues beam ``beam_idx[i]``."""
+        self._reindex(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._reindex([i for i in range(len(self.rows)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._reindex(indices.tolist())
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("PagedKVCache does not crop sequences (assisted/speculative decoding); use greedy, "
+                                  "sampling or beam search here, or DynamicCache for assisted decoding")
+
+    # ---- what the kernel, the notebooks and the reports read ----
+
+    @property
+    def tables(self) -> list[RowTable]:
+        """Each row's block table and token count (a snapshot)."""
+        return [RowTable([], 0) if s is None else RowTable(list(self.manager.block_table(s)), self.manager.num_tokens(s))
+                for s in self.rows]
 
     @property
     def block_tables(self) -> torch.Tensor:
         """``[batch, max_blocks]`` int32. Short rows are padded with block 0: a valid id, so a kernel
         that over-reads stays in bounds; ``seq_lens`` says where each row really ends."""
-        width = max((len(t) for t in self.tables), default=0)
-        padded = [t.blocks + [0] * (width - len(t)) for t in self.tables]
-        return torch.tensor(padded, dtype=torch.int32, device=self.layers[0].device).view(len(self.tables), width)
+        tables = [t.blocks for t in self.tables]
+        width = max(map(len, tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return torch.tensor(padded, dtype=torch.int32, device=self.layers[0].device).view(len(tables), width)
 
     @property
     def seq_lens(self) -> torch.Tensor:
@@ -177,10 +441,17 @@ class PagedKVCache(Cache):
 
     @property
     def num_free_blocks(self) -> int:
-        return self.allocator.num_free
+        """Blocks a new sequence can take (with prefix caching: cached blocks no one owns included)."""
+        return self.manager.num_free_blocks
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.tables[0].num_tokens if self.tables else 0
+        live = [s for s in self.rows if s is not None]
+        return self.manager.num_tokens(live[0]) if live else 0
+
+    def blocks_in_use_and_unshared(self) -> tuple[int, int]:
+        """(distinct blocks the rows hold, blocks they would hold if none were shared)."""
+        tables = self.tables
+        return len({b for t in tables for b in t.blocks}), sum(len(t) for t in tables)
 
     def bytes_per_block(self) -> int:
         """K and V, all layers: what one block id costs."""
@@ -192,35 +463,123 @@ class PagedKVCache(Cache):
         return self.num_blocks * self.bytes_per_block()
 
     def allocated_bytes(self) -> int:
-        """Blocks handed to sequences (their unfilled tails included)."""
-        return self.allocator.num_used * self.bytes_per_block()
+        """Blocks the rows hold (their unfilled tails included; a shared block counts once)."""
+        return self.blocks_in_use_and_unshared()[0] * self.bytes_per_block()
 
     def used_bytes(self) -> int:
-        """Slots holding tokens; allocated - used is the waste in each sequence's last block."""
-        tokens = sum(t.num_tokens for t in self.tables)
-        return tokens * self.bytes_per_block() // self.block_size
+        """Slots holding tokens; allocated - used is the waste in last blocks. A shared slot counts once."""
+        filled: dict[int, int] = {}
+        for t in self.tables:
+            for i, b in enumerate(t.blocks):
+                filled[b] = max(filled.get(b, 0), min(self.block_size, t.num_tokens - i * self.block_size))
+        return sum(filled.values()) * self.bytes_per_block() // self.block_size
 
     # ---- giving blocks back ----
 
     def free(self, row: int) -> None:
         """Return every block of one batch row to the pool (a finished or aborted request)."""
-        self.tables[row].free()
+        if self.rows[row] is not None:
+            self.manager.free(self.rows[row])
+            self.rows[row] = None
 
     def reset(self) -> None:
-        """Free every row and forget the batch: the cache is ready for a new generate call."""
-        for table in self.tables:
-            table.free()
-        self.tables = []
+        """Free every row and forget the batch: the cache is ready for a new generate call. With
+        prefix caching, the rows' cached full blocks stay in the pool, evictable, for the next call."""
+        for seq in self.rows:
+            if seq is not None:
+                self.manager.free(seq)
+        self.rows, self._prompts = [], None
         self._clear_step()
-
-    def _needs_sharing(self, *args, **kwargs):
-        raise NotImplementedError(
-            "PagedKVCache does not reorder, repeat or crop rows: beam search and assisted decoding need blocks "
-            "shared between sequences with copy-on-write, which stage 5 (minikv.prefix) adds. Use greedy or "
-            "sampling here, or ContiguousKVCache / DynamicCache for beam search.")
-
-    reorder_cache = batch_repeat_interleave = batch_select_indices = crop = _needs_sharing
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"free={self.num_free_blocks}, seq_lens={self.seq_lens.tolist()})")
+
+
+# ---- measurements the notebook prints (and `python -m minikv.paged` on SmolLM2) ----------------
+
+def sharing_report(cache: PagedKVCache) -> str:
+    """The cache's ``sharing_history`` as a table: blocks in use vs unshared, per step."""
+    lines = [f"{'step':>5} {'blocks used':>12} {'unshared':>9} {'saved':>7}"]
+    for step, used, unshared in cache.sharing_history:
+        lines.append(f"{step:>5} {used:>12} {unshared:>9} {1 - used / unshared if unshared else 0:>7.1%}")
+    return "\n".join(lines)
+
+
+@torch.inference_mode()
+def compare_prefix_reuse(model, prompts, block_size: int = 16, runs: int = 5, verbose: bool = True) -> dict:
+    """Prefill tokens computed and time to first token for ``prompts`` (1-D token id sequences that
+    share a prefix, e.g. one system prompt and several questions), without and with prefix caching.
+
+    Before each timed call the cache forgets what it holds and ``prompts[0]`` is sent, untimed (it
+    warms the model up and, with caching, leaves only the shared prefix cached); then one of the
+    other prompts is timed: a fresh ``generate`` of one new token, ``prefill_hits`` included.
+    Every other prompt is timed ``runs`` times. Returns medians and token counts."""
+    prompts = [torch.as_tensor(p, dtype=torch.long).reshape(1, -1).to(model.device) for p in prompts]
+    if len(prompts) < 2:
+        raise ValueError("give at least two prompts: the first fills the cache, the others are timed")
+    num_blocks = 2 * blocks_for(max(p.shape[1] for p in prompts) + 1, block_size) + 1
+    result = {"prompt_tokens": runs * sum(p.shape[1] for p in prompts[1:])}
+
+    def first_token(cache, ids) -> tuple[float, int]:
+        cache.reset()
+        t0 = time.perf_counter()
+        hit = cache.prefill_hits(ids)
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+                       max_new_tokens=1, pad_token_id=0)
+        return time.perf_counter() - t0, ids.shape[1] - hit
+
+    for caching in (False, True):
+        cache = PagedKVCache(model.config, num_blocks, block_size, dtype=model.dtype, device=model.device,
+                             enable_prefix_caching=caching)
+        times, computed = [], 0
+        for ids in prompts[1:] * runs:
+            cache.reset()
+            cache.manager.reset_prefix_cache()
+            first_token(cache, prompts[0])
+            seconds, tokens = first_token(cache, ids)
+            times.append(seconds)
+            computed += tokens
+        key = "with" if caching else "without"
+        result[f"computed_{key}"], result[f"ttft_{key}_s"] = computed, median(times)
+    result["skipped_fraction"] = 1 - result["computed_with"] / result["prompt_tokens"]
+    result["ttft_ratio"] = result["ttft_without_s"] / result["ttft_with_s"]
+    if verbose:
+        print(f"{'prefix caching':<15} {'prefill tokens computed':>24} {'median time to first token':>28}")
+        for key in ("without", "with"):
+            print(f"{key:<15} {result[f'computed_{key}']:>10,} of {result['prompt_tokens']:>11,} "
+                  f"{result[f'ttft_{key}_s'] * 1e3:>25.1f} ms")
+        print(f"skipped {result['skipped_fraction']:.1%} of prefill tokens; time to first token "
+              f"{result['ttft_ratio']:.2f}x faster (median of {runs} runs per prompt; timings are noisy)")
+    return result
+
+
+def _smollm2_figures() -> None:  # pragma: no cover - prints the stage-5 figures on the real model
+    from minikv.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    chat = [{"role": "user", "content": "Explain, in two sentences, why a KV cache makes decoding faster."}]
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"].to(model.device)
+    cache = PagedKVCache(model.config, 256, 16, dtype=model.dtype, device=model.device)
+    cache.prefill_hits(ids)
+    with torch.inference_mode():
+        model.generate(ids, past_key_values=cache, num_beams=4, do_sample=False, max_new_tokens=48)
+    print(f"SmolLM2 beam search, num_beams=4, {ids.shape[1]}-token prompt, block 16:\n{sharing_report(cache)}")
+    used, unshared = map(sum, zip(*((u, n) for _, u, n in cache.sharing_history)))
+    print(f"block-steps used {used} of {unshared} unshared: {1 - used / unshared:.1%} saved; "
+          f"{cache.cow_copies} copy-on-write block copies\n")
+
+    system = ("You are a careful assistant for a course on serving language models. Answer briefly and "
+              "precisely, name the data structure involved, and say what it costs in memory. ") * 8
+    questions = ["What is a KV cache?", "Why are blocks of 16 tokens used?", "What does copy-on-write save?",
+                 "How does beam search share memory?", "What is a prefix hit?"]
+    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
+                                             add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)["input_ids"][0] for q in questions]
+    print(f"a shared system prompt ({len(tokenizer(system).input_ids)} tokens) and {len(questions)} questions:")
+    compare_prefix_reuse(model, prompts)
+
+
+if __name__ == "__main__":
+    _smollm2_figures()

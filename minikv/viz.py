@@ -334,6 +334,24 @@ def block_tables_figure(tables: Mapping, num_blocks: int, block_size: int, *, wr
     return fig
 
 
+def beam_sharing_plot(history: Sequence[tuple[int, int, int]], ax=None, title: str = "") -> Figure:
+    """Blocks in use vs the blocks the same sequences would take unshared, per step.
+
+    ``history`` is ``PagedKVCache.sharing_history``: (step, blocks in use, blocks unshared)."""
+    fig, ax = _axes(ax)
+    steps, used, unshared = (list(c) for c in zip(*history)) if history else ([], [], [])
+    ax.plot(steps, unshared, color="#999999", lw=1.5, label="unshared (every sequence its own blocks)")
+    ax.plot(steps, used, color=COLORS["live"], lw=2, label="in use (shared blocks counted once)")
+    ax.fill_between(steps, used, unshared, color=COLORS["live"], alpha=0.15, label="saved by sharing")
+    ax.set_ylim(0, max(unshared, default=1) * 1.05)
+    ax.set_xlabel("generate step")
+    ax.set_ylabel("KV blocks")
+    ax.set_title(title or "Beams share the blocks of their common history")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
 # --- stage 4: the kernel (notebook 04) -------------------------------------------------------------
 
 def roofline_figure(gpus: Sequence, workloads: Mapping[str, tuple[float, str]], *,

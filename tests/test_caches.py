@@ -95,10 +95,14 @@ def test_beam_search_reorders_the_slabs(tiny_llama):
     assert torch.equal(greedy(tiny_llama, ids, mask, cache, num_beams=3, new=8), expected)
 
 
-def test_paged_refuses_beam_search_clearly(tiny_llama):
+def test_stage3_allocator_and_table_refuse_beam_search_clearly(tiny_llama):
+    """Exercise 03's hook (a stage-3 allocator and table) cannot share blocks: beam search says so."""
+    from minikv.blocks import BlockAllocator, BlockTable
+
     ids, mask = left_padded_batch()
-    with pytest.raises(NotImplementedError, match="copy-on-write"):
-        greedy(tiny_llama, ids, mask, PagedKVCache(tiny_llama.config, 64, 4), num_beams=2, new=4)
+    cache = PagedKVCache(tiny_llama.config, 64, 4, allocator=BlockAllocator(64), table_cls=BlockTable)
+    with pytest.raises(NotImplementedError, match="stage-5 block manager"):
+        greedy(tiny_llama, ids, mask, cache, num_beams=2, new=4)
 
 
 def test_cache_is_reusable_after_reset(tiny_llama):
