@@ -743,17 +743,3 @@ def sharing_savings_figure(savings: Mapping[str, Mapping], paper: Mapping[str, t
     ax.grid(axis="y", alpha=0.3)
     return fig
 
-
-def blocks_per_step_figure(used: Sequence[int], unshared: Sequence[int], ax=None, title: str = "") -> Figure:
-    """Blocks in use per decode step against the blocks the same sequences would take unshared
-    (e.g. a real beam search through ``PagedKVCache``); the gap is what sharing saves."""
-    fig, ax = _axes(ax, (7, 3.5))
-    steps = np.arange(len(used))
-    ax.plot(steps, unshared, color="tab:red", label="unshared (each sequence its own blocks)")
-    ax.plot(steps, used, color="tab:blue", label="in use (shared blocks counted once)")
-    ax.fill_between(steps, used, unshared, color="tab:blue", alpha=0.15, label="saved by sharing")
-    ax.set(xlabel="step", ylabel="KV blocks")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.set_title(title or "blocks per step", fontsize=9)
-    return fig

@@ -97,7 +97,7 @@ def test_pictures_of_shared_walls_draw():
     from matplotlib.figure import Figure
 
     from minikv.prefix import BlockManager
-    from minikv.viz import (blocks_per_step_figure, cow_figure, eviction_curve_figure, hash_chain_figure,
+    from minikv.viz import (cow_figure, eviction_curve_figure, hash_chain_figure,
                             sharing_savings_figure, shared_memory_map)
 
     bm = BlockManager(12, 4)
@@ -110,7 +110,6 @@ def test_pictures_of_shared_walls_draw():
             eviction_curve_figure([{"num_blocks": 10, "hit_rate": 0.1, "evictions": 5},
                                    {"num_blocks": 20, "hit_rate": 0.6, "evictions": 0}]),
             sharing_savings_figure({"parallel": {2: 0.05, 4: 0.08}, "beam": {2: 0.4, 4: 0.55}},
-                                   {"parallel": (0.061, 0.098)}),
-            blocks_per_step_figure([3, 4, 4], [6, 8, 8])]
+                                   {"parallel": (0.061, 0.098)})]
     assert all(isinstance(f, Figure) for f in figs)
     assert "2 shared" in figs[0].axes[0].get_title()  # blocks 0 and 1 (the shared prompt blocks)
