@@ -10,7 +10,7 @@ NOTEBOOKS := notebooks solutions exercises
 
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install demo test test-fast lab exercises size bench-memory bench-kernel grade clean
+.PHONY: install demo test test-fast lab exercises size bench-memory bench-prefix bench-kernel grade clean
 
 install: $(STAMP)
 
@@ -56,6 +56,9 @@ size: $(STAMP)
 
 bench-memory: $(STAMP)
 	$(BIN)/python -m minikv bench memory
+
+bench-prefix: $(STAMP)
+	$(BIN)/python -m minikv bench prefix
 
 bench-kernel: $(STAMP)
 	$(BIN)/python -m minikv bench kernel

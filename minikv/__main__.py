@@ -10,6 +10,7 @@ import sys
 
 BENCHES = {  # name -> module in minikv.bench exposing cli(argv) -> int
     "memory": "Replay a request trace: KV memory utilization, contiguous slabs vs paged blocks.",
+    "prefix": "Shared blocks: memory saved by parallel sampling, beam search and prefix caching; hit rate vs pool size.",
     "kernel": "GPU: the Triton paged-attention kernel's bandwidth vs the card's peak and vs contiguous attention.",
 }
 
