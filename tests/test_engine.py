@@ -189,13 +189,14 @@ def test_pool_sizing(capsys):
 @pytest.mark.slow
 def test_smollm2_parity_prefix_and_pressure(smollm2):
     model, tok = smollm2
-    system = "You are a helpful assistant who answers in one short sentence. "
+    system = ("You are a helpful assistant. You answer every question in one short, friendly sentence, "
+              "and you never make up facts you do not know. ")   # > 16 tokens: at least one full block
     texts = [system + q for q in ("What is the capital of France?", "Name a prime number.", "Why is the sky blue?")]
     ps = [tok.encode(t) for t in texts]
-    refs = [reference(model, p, 10) for p in ps]
-    for kw in (dict(), dict(num_blocks=10, block_size=4, max_num_batched_tokens=16)):
+    refs = [reference(model, p, 6) for p in ps]
+    for kw in (dict(), dict(num_blocks=12, block_size=4, max_num_batched_tokens=16)):
         llm = LLM(model, tok, verbose=False, **kw)
-        outs = llm.generate(texts, SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)
+        outs = llm.generate(texts, SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == refs
         assert outs[0].outputs[0].text == tok.decode(refs[0], skip_special_tokens=True)
         if kw:
