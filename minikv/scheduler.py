@@ -152,6 +152,9 @@ class Scheduler:
             seq = self.waiting[0]
             if self._seats_used + self._seats(seq) > cfg.max_num_seqs:
                 break
+            # A hit may be a block another sequence fills in this very step (the block manager
+            # caches blocks when they are appended, before the forward computes them). That is
+            # safe because the runner writes every layer's new K/V before any token attends.
             cached = bm.open(seq.seq_id, seq.token_ids)
             n = seq.num_to_compute - cached
             if cfg.enable_chunked_prefill:

@@ -285,6 +285,7 @@ def test_metrics_summaries():
     assert s["requests"] == 8 and s["generated_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs)
     assert s["tokens_per_s"] > 0 and s["ttft_mean"] > 0 and s["tpot_mean"] > 0 and s["steps"] == len(eng.step_stats)
     assert s["preemptions"] == eng.scheduler.num_preemptions and 0 <= s["prefix_hit_rate"] <= 1
+    assert eng.summary(outs)["blocks_free"] == 24 and eng.summary(outs)["pool_bytes"] == 24 * eng.bytes_per_block
     occ = occupancy(eng.step_stats)
     assert len(occ["blocks_used"]) == len(eng.step_stats) and max(occ["blocks_used"]) <= 24
     assert sum(occ["decode_tokens"]) + sum(occ["prefill_tokens"]) >= s["generated_tokens"]
