@@ -58,7 +58,8 @@ class BlockAllocator:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        self._refcount = [0] * num_blocks  # 0 <=> the block is on the free list
+        self._refcount = [0] * num_blocks  # 0 <=> the block is on the free list, or kept aside
+        self._kept: set[int] = set()  # ownerless blocks a caller keeps off the free list (see `free`)
 
     @property
     def num_free(self) -> int:
@@ -66,7 +67,11 @@ class BlockAllocator:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - len(self._free) - len(self._kept)
+
+    @property
+    def num_kept(self) -> int:
+        return len(self._kept)
 
     def _check(self, block: int) -> int:
         try:
@@ -96,19 +101,45 @@ class BlockAllocator:
         block = self._check(block)
         return self._refcount[block]
 
-    def free(self, block: int) -> bool:
-        """Drop one owner. Returns True when that was the last one and the block is free again."""
+    def free(self, block: int, *, keep: bool = False) -> bool:
+        """Drop one owner. Returns True when that was the last one and the block is free again.
+
+        With ``keep=True`` a block whose last owner leaves does not go back on the free list:
+        the caller keeps it aside and later either hands it out again (`revive`) or gives it up
+        (`release`). Stage 5's prefix cache keeps full blocks this way, because their K/V may
+        be asked for again by the next request with the same prefix.
+        """
         block = self._check(block)
         if self._refcount[block] == 0:
             raise BlockError(f"double free: block {block} is already free")
         self._refcount[block] -= 1
         if self._refcount[block] == 0:
-            self._free.append(block)
+            if keep:
+                self._kept.add(block)
+            else:
+                self._free.append(block)
             return True
         return False
 
+    def revive(self, block: int) -> None:
+        """A kept block gets an owner again (a prefix-cache hit, or an eviction that reuses it)."""
+        block = self._check(block)
+        if block not in self._kept:
+            raise BlockError(f"block {block} was not kept aside by free(..., keep=True)")
+        self._kept.remove(block)
+        self._refcount[block] = 1
+
+    def release(self, block: int) -> None:
+        """A kept block goes back on the free list after all."""
+        block = self._check(block)
+        if block not in self._kept:
+            raise BlockError(f"block {block} was not kept aside by free(..., keep=True)")
+        self._kept.remove(block)
+        self._free.append(block)
+
     def __repr__(self) -> str:
-        return f"BlockAllocator(num_blocks={self.num_blocks}, free={self.num_free})"
+        kept = f", kept={self.num_kept}" if self._kept else ""
+        return f"BlockAllocator(num_blocks={self.num_blocks}, free={self.num_free}{kept})"
 
 
 class BlockTable:
