@@ -125,7 +125,8 @@ def run_continuous(model, requests: list[Request], pad: int):
 
 
 def run_minikv(model, tokenizer, requests: list[Request], **engine_args):
-    from minikv import LLM, SamplingParams
+    from minikv.engine import LLM
+    from minikv.sampling import SamplingParams
 
     llm = LLM(model, tokenizer=tokenizer, verbose=False, **engine_args)
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
