@@ -58,15 +58,15 @@ class AttnGroup:
     """Sequences whose queries are attended together, padded to the group's longest query and block run.
 
     q_index [S*Q] token index (into the flattened step) of each padded query row; padding repeats a real one
-    q_valid [S*Q] bool: which padded query rows are real tokens
+    q_valid: index of the real rows among the S*Q padded query rows (None: all are real)
     out_index: token index of each real query row, in q_valid order
     block_tables [S, W]: each sequence's blocks (padding repeats a real block; its keys are masked)
-    bias [S, 1, Q, W*block_size]: 0 where a query may attend a key, -inf elsewhere (causal + sequence end)
+    bias [KVH*S, G*Q, W*block_size]: 0 where a query may attend a key, -inf elsewhere (causal + sequence end)
     seq_lens [S] int32: the kernel's input (decode groups on the kernel path only)
     """
 
     q_index: torch.Tensor
-    q_valid: torch.Tensor
+    q_valid: torch.Tensor | None
     out_index: torch.Tensor
     block_tables: torch.Tensor
     bias: torch.Tensor
@@ -87,8 +87,8 @@ class StepPlan:
     num_tokens: int
 
 
-def _build_group(steps: list[SeqStep], offsets: list[int], block_size: int, device,
-                 with_kernel_inputs: bool, total_tokens: int) -> AttnGroup:
+def _build_group(steps: list[SeqStep], offsets: list[int], block_size: int, device, kv_heads: int,
+                 group_size: int, with_kernel_inputs: bool, total_tokens: int) -> AttnGroup:
     """Index tensors for a set of sequences: a few small Python lists, then vectorized tensor ops."""
     lens = [len(s.token_ids) for s in steps]
     seq_lens = [s.start_pos + n for s, n in zip(steps, lens)]
@@ -108,18 +108,52 @@ def _build_group(steps: list[SeqStep], offsets: list[int], block_size: int, devi
     key_pos = torch.arange(width * block_size, device=device)
     allowed = key_pos[None, None, :] <= q_pos[:, :, None]  # causal, which also stops at each sequence's end
     bias = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
+    # One bias row per (KV head, sequence) x (query head in the group, query) row of the scores,
+    # materialized once per step so every layer adds it inside its matmul (baddbmm).
+    s = len(steps)
+    bias = bias[None, :, None].expand(kv_heads, s, group_size, q_len, width * block_size)
+    bias = bias.reshape(kv_heads * s, group_size * q_len, width * block_size)
     group = AttnGroup(
         q_index=q_index.flatten(),
-        q_valid=valid.flatten(),
+        q_valid=None if q_len == 1 else valid.flatten().nonzero().flatten(),
         out_index=q_index[valid],
         block_tables=block_tables,
-        bias=bias[:, None],
+        bias=bias,
         q_len=q_len,
-        identity=q_len == 1 and len(steps) == total_tokens,
+        identity=q_len == 1 and offsets == list(range(total_tokens)),
     )
     if with_kernel_inputs:
         group.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return group
+
+
+# What one more attention group costs per layer (a dozen small ops), in gathered blocks' worth of work.
+GROUP_COST_BLOCKS = 16
+
+
+def split_by_length(seq_lens: list[int], block_size: int, max_groups: int = 3) -> list[list[int]]:
+    """Indices of sequences split into <= max_groups groups of similar length.
+
+    A group costs (its size x its longest sequence's blocks) gathered blocks plus a fixed
+    GROUP_COST_BLOCKS; sorted by length, the best split points are found by trying them all
+    (at most a few thousand sums for a batch of 64).
+    """
+    order = sorted(range(len(seq_lens)), key=lambda i: seq_lens[i])
+    blocks = [blocks_for(seq_lens[i], block_size) for i in order]
+    n = len(order)
+
+    def cost(a: int, b: int) -> int:  # group of sorted positions a..b-1
+        return (b - a) * blocks[b - 1] + GROUP_COST_BLOCKS
+
+    best = (cost(0, n), [n])
+    if max_groups >= 2:
+        for i in range(1, n):
+            best = min(best, (cost(0, i) + cost(i, n), [i, n]))
+            if max_groups >= 3:
+                for j in range(i + 1, n):
+                    best = min(best, (cost(0, i) + cost(i, j) + cost(j, n), [i, j, n]))
+    bounds = [0] + best[1]
+    return [order[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def _attend(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, group: AttnGroup,
@@ -140,14 +174,13 @@ def _attend(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, g
     q = q.view(kv_heads, g, s, q_len, head_dim).transpose(1, 2).reshape(kv_heads * s, g * q_len, head_dim)
     keys = k_store[:, group.block_tables].view(kv_heads * s, -1, head_dim)  # [KVH*S, L, D]
     values = v_store[:, group.block_tables].view(kv_heads * s, -1, head_dim)
-    kv_len = keys.shape[1]
-    scores = torch.bmm(q, keys.transpose(1, 2)).view(kv_heads, s, g, q_len, kv_len)
-    scores = scores.float().mul_(scaling).add_(group.bias)
-    probs = scores.softmax(dim=-1).to(values.dtype).view(kv_heads * s, g * q_len, kv_len)
+    # scores = bias + scaling * q @ k^T in one call; softmax in float32 even for half-precision models.
+    scores = torch.baddbmm(group.bias.to(q.dtype), q, keys.transpose(1, 2), alpha=scaling)
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
     out = torch.bmm(probs, values)  # [KVH*S, G*Q, D]
     # -> [S, Q, KVH, G, D] -> [S*Q, H, D]
     out = out.view(kv_heads, s, g, q_len, head_dim).permute(1, 3, 0, 2, 4).reshape(s * q_len, kv_heads * g, head_dim)
-    return out if group.identity else out[group.q_valid]
+    return out if group.q_valid is None else out[group.q_valid]
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -228,6 +261,8 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.num_layers, self.kv_heads, self.head_dim = self._kv_shape(config)
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.num_heads = text_config.num_attention_heads
         self.use_kernel = self.device.type == "cuda" if use_kernel is None else use_kernel
         # Stored head-major, [kv_heads, num_blocks, block_size, head_dim], so a block gather gives
         # each KV head's keys contiguously (see _attend); k_pools/v_pools are the same memory seen
@@ -289,12 +324,18 @@ class ModelRunner:
                 logit_rows.append(offset + n - 1)
         dev = self.device
         groups, kernel_groups = [], []
-        for members, at in ((decode, decode_at), (prefill, prefill_at)):
-            if not members:
-                continue
-            on_kernel = self.use_kernel and members is decode
-            group = _build_group(members, at, self.block_size, dev, on_kernel, len(ids))
-            (kernel_groups if on_kernel else groups).append(group)
+        g = self.num_heads // self.kv_heads
+        if decode and self.use_kernel:  # the kernel reads each sequence's own length: no padding to save
+            kernel_groups.append(_build_group(decode, decode_at, self.block_size, dev, self.kv_heads, g,
+                                              True, len(ids)))
+        elif decode:
+            # Padding every decode to the longest context would gather (and multiply) mostly padding
+            # when lengths differ a lot; split them into up to three groups of similar length.
+            for part in split_by_length([s.start_pos + 1 for s in decode], self.block_size):
+                groups.append(_build_group([decode[i] for i in part], [decode_at[i] for i in part],
+                                           self.block_size, dev, self.kv_heads, g, False, len(ids)))
+        if prefill:
+            groups.append(_build_group(prefill, prefill_at, self.block_size, dev, self.kv_heads, g, False, len(ids)))
         plan = StepPlan(self.k_stores, self.v_stores, torch.tensor(slots, device=dev), groups, kernel_groups, len(ids))
         return (plan, torch.tensor([ids], device=dev), torch.tensor([positions], device=dev),
                 torch.tensor(logit_rows, device=dev))
