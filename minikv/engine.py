@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from minikv.blocks import blocks_for
-from minikv.metrics import RequestMetrics, StepStats
+from minikv.metrics import RequestMetrics, StepStats, summarize
 from minikv.prefix import BlockManager
 from minikv.sampling import SamplingParams, make_generator, sample
 from minikv.scheduler import Scheduler, SchedulerConfig
@@ -262,6 +262,14 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def summary(self, outputs) -> dict:
+        """The landlord's numbers for a run: tokens/s, TTFT, TPOT, preemptions, prefix hit rate, blocks."""
+        out = summarize(outputs, self.step_stats, self.bm.stats)
+        out.update(num_blocks=self.num_blocks, block_size=self.block_size,
+                   pool_bytes=self.num_blocks * self.bytes_per_block,
+                   blocks_cached=len(self.bm.cache.evictable), blocks_free=self.bm.num_free_blocks)
+        return out
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -14,6 +14,9 @@ sequence next to the single decode token of another. Each step, under a token bu
    only if, after taking the blocks its first chunk needs, ``watermark_blocks`` stay free: that
    headroom lets the running sequences grow into new blocks without an immediate preemption.
 
+Steps 3 and 4 happen only in a step that preempted nobody: memory is short, and a victim let
+back in at once would only be evicted again.
+
 **Preemption.** When a running sequence needs a block and none is free, the most recently
 admitted running sequence that is not yet scheduled this step (and was admitted after the
 one in need) is the victim; if there is none, the sequence in need is preempted itself.
@@ -123,8 +126,12 @@ class Scheduler:
         # Seats: a request that has not forked yet holds n (its samples appear when its prompt is done).
         self._seats_used = sum(self._seats(s) for s in self.running)
 
+        # 3 + 4 only in a step that preempted nobody: memory is short, and a victim let back in at
+        # once would only be preempted again (vLLM's rule too).
+        admit = not out.preempted
+
         # 3: swapped sequences come back, oldest first, while they fit with the watermark kept.
-        while self.swapped and self._budget > 0:
+        while admit and self.swapped and self._budget > 0:
             seq = self.swapped[0]
             if self._seats_used + self._seats(seq) > cfg.max_num_seqs:
                 break
@@ -141,10 +148,13 @@ class Scheduler:
                     self._schedule(seq, n)
 
         # 4: waiting requests, strictly first come first served (none while any is swapped out).
-        while self.waiting and not self.swapped and self._budget > 0:
+        while admit and self.waiting and not self.swapped and self._budget > 0:
             seq = self.waiting[0]
             if self._seats_used + self._seats(seq) > cfg.max_num_seqs:
                 break
+            # A hit may be a block another sequence fills in this very step (the block manager
+            # caches blocks when they are appended, before the forward computes them). That is
+            # safe because the runner writes every layer's new K/V before any token attends.
             cached = bm.open(seq.seq_id, seq.token_ids)
             n = seq.num_to_compute - cached
             if cfg.enable_chunked_prefill:

@@ -254,3 +254,42 @@ def test_n_samples_share_the_prompt_blocks():
     assert len(req.seqs) == 3 and eng.bm.num_shared_blocks == 3   # 10 prompt tokens: 3 blocks, each owned by 3
     outs = run_all(eng, [])
     assert [c.token_ids for c in req.output.outputs] == [expected(list(range(3, 13)), req.params)] * 3
+
+
+def test_prompt_at_exact_block_multiple_fully_cached():
+    """The second identical prompt hits every full block but one: its last token is always computed."""
+    prompt = list(range(3, 19))   # 16 tokens = 4 full blocks of 4
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    eng = make_engine(num_blocks=32, block_size=4)
+    first = run_all(eng, [("a", prompt, params)])["a"]
+    again = run_all(eng, [("b", prompt, params)])["b"]
+    assert again.metrics.cached_prompt_tokens == 12
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == expected(prompt, params)
+
+
+def test_recompute_after_preemption_hits_the_prefix_cache():
+    eng = make_engine(num_blocks=24, block_size=4, preemption_mode="recompute")
+    reqs = pressure_requests()
+    outs = run_all(eng, reqs)
+    assert eng.scheduler.num_preemptions > 0 and eng.bm.stats.tokens_hit > 0
+    for rid, prompt, params in reqs:
+        assert outs[rid].outputs[0].token_ids == expected(prompt, params)
+
+
+def test_metrics_summaries():
+    from minikv.metrics import occupancy, summarize
+
+    eng = make_engine(num_blocks=24, block_size=4)
+    outs = list(run_all(eng, pressure_requests(k=8)).values())
+    s = summarize(outs, eng.step_stats, eng.bm.stats)
+    assert s["requests"] == 8 and s["generated_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs)
+    assert s["tokens_per_s"] > 0 and s["ttft_mean"] > 0 and s["tpot_mean"] > 0 and s["steps"] == len(eng.step_stats)
+    assert s["preemptions"] == eng.scheduler.num_preemptions and 0 <= s["prefix_hit_rate"] <= 1
+    assert eng.summary(outs)["blocks_free"] == 24 and eng.summary(outs)["pool_bytes"] == 24 * eng.bytes_per_block
+    occ = occupancy(eng.step_stats)
+    assert len(occ["blocks_used"]) == len(eng.step_stats) and max(occ["blocks_used"]) <= 24
+    assert sum(occ["decode_tokens"]) + sum(occ["prefill_tokens"]) >= s["generated_tokens"]
+    for o in outs:
+        m = o.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert len(m.token_times) == len(o.outputs[0].token_ids) and m.max_gap >= m.tpot
