@@ -55,109 +55,132 @@ class SeqStep:
 
 @dataclass
 class AttnGroup:
-    """Sequences whose queries are attended together: padded to the group's longest query and key run.
+    """Sequences whose queries are attended together, padded to the group's longest query and block run.
 
-    q_index [S, Q] token index into the flattened step (padding repeats a real index; its output is dropped)
-    q_valid [S*Q] bool: which padded query rows are real tokens
-    kv_index [S, L] flat pool slot of each key position (padding points at a real slot and is masked)
-    bias [S, 1, Q, L] 0 where a query may attend a key, -inf elsewhere (causal + end of sequence)
-    block_tables / seq_lens: the kernel's inputs (decode groups on the kernel path only)
+    q_index [S*Q] token index (into the flattened step) of each padded query row; padding repeats a real one
+    q_valid: index of the real rows among the S*Q padded query rows (None: all are real)
+    out_index: token index of each real query row, in q_valid order
+    block_tables [S, W]: each sequence's blocks (padding repeats a real block; its keys are masked)
+    bias [KVH*S, G*Q, W*block_size]: 0 where a query may attend a key, -inf elsewhere (causal + sequence end)
+    seq_lens [S] int32: the kernel's input (decode groups on the kernel path only)
     """
 
     q_index: torch.Tensor
-    q_valid: torch.Tensor
-    out_index: torch.Tensor  # token index of each real query row, in q_valid order
-    kv_index: torch.Tensor
+    q_valid: torch.Tensor | None
+    out_index: torch.Tensor
+    block_tables: torch.Tensor
     bias: torch.Tensor
-    block_tables: torch.Tensor | None = None
+    q_len: int
     seq_lens: torch.Tensor | None = None
-    identity: bool = False  # the group is the whole step in order, one token each: no gather/scatter
+    identity: bool = False  # one token per sequence, the whole step in order: no gather/scatter of queries
 
 
 @dataclass
 class StepPlan:
     """The step's layout, built once and read by every layer's attention call."""
 
-    k_pools: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_heads, head_dim]
-    v_pools: list[torch.Tensor]
+    k_stores: list[torch.Tensor]  # per layer [kv_heads, num_blocks, block_size, head_dim]
+    v_stores: list[torch.Tensor]
     slots: torch.Tensor  # [T] int64
     groups: list[AttnGroup]
     kernel_groups: list[AttnGroup]  # decode groups that go through the Triton kernel
     num_tokens: int
 
 
-def _pad_rows(rows: list[list[int]], pad: int) -> list[list[int]]:
-    width = max(len(r) for r in rows)
-    return [r + [pad] * (width - len(r)) for r in rows]
-
-
-def _build_group(steps: list[SeqStep], offsets: list[int], block_size: int, device, dtype,
-                 with_kernel_inputs: bool, total_tokens: int) -> AttnGroup:
-    """Index tensors for a set of sequences (all in Python lists first: one tensor per field, per step)."""
-    q_rows, kv_rows, q_pos_rows, seq_lens = [], [], [], []
-    for step, offset in zip(steps, offsets):
-        n = len(step.token_ids)
-        seq_len = step.start_pos + n
-        q_rows.append(list(range(offset, offset + n)))
-        q_pos_rows.append(list(range(step.start_pos, seq_len)))
-        # Flat slot of every key position 0 .. seq_len-1, through the block table.
-        table = step.block_table
-        kv_rows.append([table[p // block_size] * block_size + p % block_size for p in range(seq_len)])
-        seq_lens.append(seq_len)
-    q_len = max(len(r) for r in q_rows)
-    kv_len = max(seq_lens)
-    q_valid = [[True] * len(r) + [False] * (q_len - len(r)) for r in q_rows]
-    q_index = torch.tensor(_pad_rows(q_rows, q_rows[0][0]), device=device)
-    kv_index = torch.tensor(_pad_rows(kv_rows, kv_rows[0][0]), device=device)
+def _build_group(steps: list[SeqStep], offsets: list[int], block_size: int, device, kv_heads: int,
+                 group_size: int, with_kernel_inputs: bool, total_tokens: int) -> AttnGroup:
+    """Index tensors for a set of sequences: a few small Python lists, then vectorized tensor ops."""
+    lens = [len(s.token_ids) for s in steps]
+    seq_lens = [s.start_pos + n for s, n in zip(steps, lens)]
+    q_len = max(lens)
+    width = max(blocks_for(n, block_size) for n in seq_lens)
+    tables = [s.block_table[: blocks_for(n, block_size)] for s, n in zip(steps, seq_lens)]
+    tables = [t + [t[0]] * (width - len(t)) for t in tables]
+    block_tables = torch.tensor(tables, dtype=torch.int32 if with_kernel_inputs else torch.long, device=device)
+    offsets_t = torch.tensor(offsets, device=device)
+    lens_t = torch.tensor(lens, device=device)
+    starts_t = torch.tensor([s.start_pos for s in steps], device=device)
+    row = torch.arange(q_len, device=device)
+    valid = row[None, :] < lens_t[:, None]  # [S, Q]
+    q_index = torch.where(valid, offsets_t[:, None] + row[None, :], offsets_t[:, None])
     # Padding query rows get position 0: they may see key 0, so their softmax never divides by zero.
-    q_pos = torch.tensor(_pad_rows(q_pos_rows, 0), device=device)
-    key_pos = torch.arange(kv_len, device=device)
-    allowed = key_pos[None, None, :] <= q_pos[:, :, None]  # causal; also stops at each sequence's end
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-    valid = torch.tensor(q_valid, device=device).flatten()
+    q_pos = torch.where(valid, starts_t[:, None] + row[None, :], 0)
+    key_pos = torch.arange(width * block_size, device=device)
+    allowed = key_pos[None, None, :] <= q_pos[:, :, None]  # causal, which also stops at each sequence's end
+    bias = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
+    # One bias row per (KV head, sequence) x (query head in the group, query) row of the scores,
+    # materialized once per step so every layer adds it inside its matmul (baddbmm).
+    s = len(steps)
+    bias = bias[None, :, None].expand(kv_heads, s, group_size, q_len, width * block_size)
+    bias = bias.reshape(kv_heads * s, group_size * q_len, width * block_size)
     group = AttnGroup(
-        q_index=q_index,
-        q_valid=valid,
-        out_index=q_index.flatten()[valid],
-        kv_index=kv_index,
-        bias=bias[:, None],
-        identity=q_len == 1 and len(steps) == total_tokens,
+        q_index=q_index.flatten(),
+        q_valid=None if q_len == 1 else valid.flatten().nonzero().flatten(),
+        out_index=q_index[valid],
+        block_tables=block_tables,
+        bias=bias,
+        q_len=q_len,
+        identity=q_len == 1 and offsets == list(range(total_tokens)),
     )
     if with_kernel_inputs:
-        width = max(blocks_for(s, block_size) for s in seq_lens)
-        group.block_tables = torch.tensor(
-            _pad_rows([st.block_table[: blocks_for(n, block_size)] for st, n in zip(steps, seq_lens)], 0)
-            if width else [[0]] * len(steps), dtype=torch.int32, device=device)
         group.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     return group
 
 
-def _attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: AttnGroup,
-            scaling: float) -> torch.Tensor:
-    """Vectorized paged attention for one group: gather K/V by slot, grouped matmuls, masked softmax.
+# What one more attention group costs per layer (a dozen small ops), in gathered blocks' worth of work.
+GROUP_COST_BLOCKS = 16
 
-    query [T, H, D] (the whole step's); returns [rows, H, D] for the group's real query rows.
-    Grouped-query attention without copying K/V per query head: the G query heads that share a KV
-    head are stacked along the query axis, so one matmul per KV head serves them all.
+
+def split_by_length(seq_lens: list[int], block_size: int, max_groups: int = 3) -> list[list[int]]:
+    """Indices of sequences split into <= max_groups groups of similar length.
+
+    A group costs (its size x its longest sequence's blocks) gathered blocks plus a fixed
+    GROUP_COST_BLOCKS; sorted by length, the best split points are found by trying them all
+    (at most a few thousand sums for a batch of 64).
     """
-    _, num_heads, head_dim = query.shape
-    kv_heads = k_pool.shape[2]
-    g = num_heads // kv_heads
-    s, q_len = group.q_index.shape
-    kv_len = group.kv_index.shape[1]
-    q = query if group.identity else query[group.q_index.flatten()]  # [S*Q, H, D]
-    # [S, Q, KVH, G, D] -> [S, KVH, G, Q, D] -> [S, KVH, G*Q, D]
-    q = q.reshape(s, q_len, kv_heads, g, head_dim).permute(0, 2, 3, 1, 4).reshape(s, kv_heads, g * q_len, head_dim)
-    flat_k = k_pool.view(-1, kv_heads, head_dim)
-    flat_v = v_pool.view(-1, kv_heads, head_dim)
-    keys = flat_k[group.kv_index].permute(0, 2, 3, 1)  # [S, KVH, D, L]
-    values = flat_v[group.kv_index].transpose(1, 2)  # [S, KVH, L, D]
-    scores = torch.matmul(q, keys).view(s, kv_heads, g, q_len, kv_len)
-    scores = scores.float().mul_(scaling).add_(group.bias[:, :, None])
-    probs = scores.softmax(dim=-1).to(values.dtype).view(s, kv_heads, g * q_len, kv_len)
-    out = torch.matmul(probs, values)  # [S, KVH, G*Q, D]
-    out = out.view(s, kv_heads, g, q_len, head_dim).permute(0, 3, 1, 2, 4).reshape(s * q_len, num_heads, head_dim)
-    return out if group.identity else out[group.q_valid]
+    order = sorted(range(len(seq_lens)), key=lambda i: seq_lens[i])
+    blocks = [blocks_for(seq_lens[i], block_size) for i in order]
+    n = len(order)
+
+    def cost(a: int, b: int) -> int:  # group of sorted positions a..b-1
+        return (b - a) * blocks[b - 1] + GROUP_COST_BLOCKS
+
+    best = (cost(0, n), [n])
+    if max_groups >= 2:
+        for i in range(1, n):
+            best = min(best, (cost(0, i) + cost(i, n), [i, n]))
+            if max_groups >= 3:
+                for j in range(i + 1, n):
+                    best = min(best, (cost(0, i) + cost(i, j) + cost(j, n), [i, j, n]))
+    bounds = [0] + best[1]
+    return [order[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _attend(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, group: AttnGroup,
+            scaling: float) -> torch.Tensor:
+    """Vectorized paged attention for one group: gather whole blocks, grouped matmuls, masked softmax.
+
+    query [KVH, G, T, D]: the whole step's queries, grouped by the KV head they read.
+    Returns [rows, H, D] for the group's real query rows.
+    The store is head-major ([KVH, blocks, block_size, D]), so gathering a sequence's blocks yields
+    each (KV head, sequence) pair's keys as one contiguous [W*block_size, D] matrix: one copy, and
+    the matmuls read it as it lies. Grouped-query attention without repeating K/V: the G query
+    heads that share a KV head are stacked along the query axis of one matmul.
+    """
+    kv_heads, g, _, head_dim = query.shape
+    s, q_len = group.block_tables.shape[0], group.q_len
+    q = query if group.identity else query[:, :, group.q_index]  # [KVH, G, S*Q, D]
+    # [KVH, G, S, Q, D] -> [KVH, S, G*Q, D]
+    q = q.view(kv_heads, g, s, q_len, head_dim).transpose(1, 2).reshape(kv_heads * s, g * q_len, head_dim)
+    keys = k_store[:, group.block_tables].view(kv_heads * s, -1, head_dim)  # [KVH*S, L, D]
+    values = v_store[:, group.block_tables].view(kv_heads * s, -1, head_dim)
+    # scores = bias + scaling * q @ k^T in one call; softmax in float32 even for half-precision models.
+    scores = torch.baddbmm(group.bias.to(q.dtype), q, keys.transpose(1, 2), alpha=scaling)
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
+    out = torch.bmm(probs, values)  # [KVH*S, G*Q, D]
+    # -> [S, Q, KVH, G, D] -> [S*Q, H, D]
+    out = out.view(kv_heads, s, g, q_len, head_dim).permute(1, 3, 0, 2, 4).reshape(s * q_len, kv_heads * g, head_dim)
+    return out if group.q_valid is None else out[group.q_valid]
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -174,33 +197,35 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
             f"tables); set model.config._attn_implementation back to 'sdpa' to use the model alone"
         )
     layer = module.layer_idx
-    k_pool, v_pool = plan.k_pools[layer], plan.v_pools[layer]
-    kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
+    k_store, v_store = plan.k_stores[layer], plan.v_stores[layer]
+    kv_heads, _, _, head_dim = k_store.shape
+    num_heads, num_tokens = query.shape[1], query.shape[2]
     scaling = scaling if scaling is not None else head_dim**-0.5
     # 1. Store this step's keys and values at their slots (prefill chunks and decode tokens alike).
-    new_k = key[0].transpose(0, 1)  # [T, KVH, D]
-    new_v = value[0].transpose(0, 1)
-    k_pool.view(-1, kv_heads, head_dim).index_copy_(0, plan.slots, new_k.to(k_pool.dtype))
-    v_pool.view(-1, kv_heads, head_dim).index_copy_(0, plan.slots, new_v.to(v_pool.dtype))
-    # 2. Attend through the block tables.
-    q = query[0].transpose(0, 1)  # [T, H, D]
+    k_store.view(kv_heads, -1, head_dim).index_copy_(1, plan.slots, key[0].to(k_store.dtype))
+    v_store.view(kv_heads, -1, head_dim).index_copy_(1, plan.slots, value[0].to(v_store.dtype))
+    # 2. Attend through the block tables. Query head h reads KV head h // G.
+    grouped = query[0].view(kv_heads, num_heads // kv_heads, num_tokens, head_dim)
     if len(plan.groups) == 1 and plan.groups[0].identity:
-        out = _attend(q, k_pool, v_pool, plan.groups[0], scaling)
+        out = _attend(grouped, k_store, v_store, plan.groups[0], scaling)
     else:
-        out = torch.empty_like(q)
+        out = query.new_empty(num_tokens, num_heads, head_dim)
         for group in plan.groups:  # at most two: decodes and prefill chunks
-            out[group.out_index] = _attend(q, k_pool, v_pool, group, scaling)
+            out[group.out_index] = _attend(grouped, k_store, v_store, group, scaling)
         for group in plan.kernel_groups:
-            out[group.out_index] = _kernel_decode(q[group.out_index], k_pool, v_pool, group, scaling)
+            q = query[0, :, group.out_index].transpose(0, 1)  # [S, H, D]
+            out[group.out_index] = _kernel_decode(q, k_store, v_store, group, scaling)
     return out.unsqueeze(0), None
 
 
-def _kernel_decode(q, k_pool, v_pool, group, scaling):
+def _kernel_decode(q, k_store, v_store, group, scaling):
     from kernels.paged_attention import paged_attention as kernel
 
-    # Inputs were checked once when the step was planned; re-checking per layer would read
-    # seq_lens back from the GPU thirty times a step.
-    return kernel(q.contiguous(), k_pool, v_pool, group.block_tables, group.seq_lens, scaling, check_inputs=False)
+    # The kernel's layout, [blocks, block_size, KVH, D], as a view of the head-major store (it
+    # reads through strides). Inputs were checked when the step was planned; re-checking in every
+    # layer would read seq_lens back from the GPU thirty times a step.
+    return kernel(q.contiguous(), k_store.permute(1, 2, 0, 3), v_store.permute(1, 2, 0, 3),
+                  group.block_tables, group.seq_lens, scaling, check_inputs=False)
 
 
 def _no_mask(*args, **kwargs):
@@ -236,10 +261,17 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.num_layers, self.kv_heads, self.head_dim = self._kv_shape(config)
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.num_heads = text_config.num_attention_heads
         self.use_kernel = self.device.type == "cuda" if use_kernel is None else use_kernel
-        shape = (num_blocks, block_size, self.kv_heads, self.head_dim)
-        self.k_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v_pools = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        # Stored head-major, [kv_heads, num_blocks, block_size, head_dim], so a block gather gives
+        # each KV head's keys contiguously (see _attend); k_pools/v_pools are the same memory seen
+        # in the course's layout, [num_blocks, block_size, kv_heads, head_dim].
+        shape = (self.kv_heads, num_blocks, block_size, self.head_dim)
+        self.k_stores = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_stores = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.k_pools = [store.permute(1, 2, 0, 3) for store in self.k_stores]
+        self.v_pools = [store.permute(1, 2, 0, 3) for store in self.v_stores]
         self.bytes_per_block = self.bytes_per_block_for(config, block_size, self.dtype)
 
     @staticmethod
@@ -292,14 +324,19 @@ class ModelRunner:
                 logit_rows.append(offset + n - 1)
         dev = self.device
         groups, kernel_groups = [], []
-        bias_dtype = torch.float32
-        for members, at in ((decode, decode_at), (prefill, prefill_at)):
-            if not members:
-                continue
-            on_kernel = self.use_kernel and members is decode
-            group = _build_group(members, at, self.block_size, dev, bias_dtype, on_kernel, len(ids))
-            (kernel_groups if on_kernel else groups).append(group)
-        plan = StepPlan(self.k_pools, self.v_pools, torch.tensor(slots, device=dev), groups, kernel_groups, len(ids))
+        g = self.num_heads // self.kv_heads
+        if decode and self.use_kernel:  # the kernel reads each sequence's own length: no padding to save
+            kernel_groups.append(_build_group(decode, decode_at, self.block_size, dev, self.kv_heads, g,
+                                              True, len(ids)))
+        elif decode:
+            # Padding every decode to the longest context would gather (and multiply) mostly padding
+            # when lengths differ a lot; split them into up to three groups of similar length.
+            for part in split_by_length([s.start_pos + 1 for s in decode], self.block_size):
+                groups.append(_build_group([decode[i] for i in part], [decode_at[i] for i in part],
+                                           self.block_size, dev, self.kv_heads, g, False, len(ids)))
+        if prefill:
+            groups.append(_build_group(prefill, prefill_at, self.block_size, dev, self.kv_heads, g, False, len(ids)))
+        plan = StepPlan(self.k_stores, self.v_stores, torch.tensor(slots, device=dev), groups, kernel_groups, len(ids))
         return (plan, torch.tensor([ids], device=dev), torch.tensor([positions], device=dev),
                 torch.tensor(logit_rows, device=dev))
 
@@ -344,8 +381,8 @@ class ModelRunner:
             return
         src = self._index(p[0] for p in pairs)
         dst = self._index(p[1] for p in pairs)
-        for pool in (*self.k_pools, *self.v_pools):
-            pool[dst] = pool[src]
+        for store in (*self.k_stores, *self.v_stores):
+            store[:, dst] = store[:, src]
 
     @torch.inference_mode()
     def swap_out(self, blocks: list[int]) -> torch.Tensor:
@@ -364,4 +401,4 @@ class ModelRunner:
         data = data.to(self.device, self.dtype)
         for kv, pools in enumerate((self.k_pools, self.v_pools)):
             for layer, pool in enumerate(pools):
-                pool[index] = data[kv, layer]
+                pool[index] = data[kv, layer]  # a view: writes land in the head-major store

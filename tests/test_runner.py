@@ -211,3 +211,13 @@ def test_step_with_no_logits_still_fills_the_cache():
     assert runner.execute([blocks.step(0, prompt[:7], wants_logits=False)]).shape == (0, VOCAB)
     logits = runner.execute([blocks.step(0, prompt[7:])])
     torch.testing.assert_close(logits[0], plain_last_logits(model, prompt), atol=1e-5, rtol=1e-5)
+
+
+def test_split_by_length_groups_similar_lengths():
+    from minikv.runner import split_by_length
+
+    lens = [300, 20, 18, 310, 25, 150, 160, 22]
+    groups = split_by_length(lens, 16)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    assert [sorted(lens[i] for i in g) for g in groups] == [[18, 20, 22, 25], [150, 160], [300, 310]]
+    assert split_by_length([30] * 10, 16) == [list(range(10))]  # equal lengths: one group
