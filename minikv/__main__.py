@@ -11,7 +11,9 @@ import sys
 BENCHES = {  # name -> module in minikv.bench exposing cli(argv) -> int
     "memory": "Replay a request trace: KV memory utilization, contiguous slabs vs paged blocks.",
     "prefix": "Shared blocks: memory saved by parallel sampling, beam search and prefix caching; hit rate vs pool size.",
-    "kernel": "GPU: the Triton paged-attention kernel's bandwidth vs the card's peak and vs contiguous attention.",
+    "engine": "minikv's engine vs transformers generate and its continuous batching, same workload.",
+    "kernel": "The Triton paged-attention kernel: on a GPU its bandwidth vs peak and vs contiguous attention; "
+              "--static on any machine: registers, spills and occupancy compiled for T4/A100/H100.",
 }
 
 

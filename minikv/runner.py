@@ -1,0 +1,404 @@
+"""The model runner: one engine step through an unmodified ``transformers`` model, over paged KV.
+
+The scheduler decides, each step, which sequences run and how many of their tokens: a chunk of a
+prompt (prefill) or the one newest token (decode). The runner computes them all in ONE forward of
+the model's own code, on one *flattened* row that holds every scheduled token back to back::
+
+    input_ids     [1, T]   seq A's chunk | seq B's newest token | seq C's chunk | ...
+    position_ids  [1, T]   each token's position in ITS sequence (rotary embeddings use it)
+
+No padding token is computed or stored. What makes this work with a stock model is that
+``transformers`` looks its attention function up by name (``AttentionInterface``): we register
+``"minikv_paged"``, and every attention layer then calls :func:`paged_attention_forward` with its
+fresh queries, keys and values. That function
+
+1. writes the layer's new K/V into the layer's block pool at the step's slots, then
+2. reads each sequence's whole K/V back *through its block table*: decode tokens by paged
+   attention (the Triton kernel on CUDA; on the CPU a vectorized gather + grouped matmul), prefill
+   chunks causally over their cached prefix (prefix-cache hits, earlier chunks) plus themselves.
+
+Everything that describes the step's layout (slots, gather indices, masks) is built once per step
+in :class:`StepPlan` and handed to every layer through the forward's keyword arguments, so the
+per-layer work is a handful of batched tensor ops, never a loop over sequences.
+We register a mask function too (``AttentionMaskInterface``) that returns no mask: the model would
+otherwise build a dense [T, T] causal mask that means nothing for a flattened batch.
+
+Only the last token of each sequence that samples this step goes through the ``lm_head``
+(``logits_to_keep`` takes their indices): the vocabulary projection is the largest matmul there is.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from minikv.blocks import blocks_for
+
+__all__ = ["ATTN_NAME", "ModelRunner", "SeqStep", "StepPlan", "paged_attention_forward"]
+
+ATTN_NAME = "minikv_paged"
+
+
+@dataclass
+class SeqStep:
+    """One sequence's share of one step."""
+
+    seq_id: int
+    token_ids: list[int]  # tokens computed this step: a prefill chunk, or the one newest token
+    start_pos: int  # position of token_ids[0] = tokens of this sequence already in the KV cache
+    block_table: list[int]  # physical blocks covering positions 0 .. start_pos + len(token_ids) - 1
+    slots: list[int]  # the physical slot of each token in token_ids (block * block_size + offset)
+    wants_logits: bool  # sample after this step: a decode, or a prefill's last chunk
+
+
+@dataclass
+class AttnGroup:
+    """Sequences whose queries are attended together, padded to the group's longest query and block run.
+
+    q_index [S*Q] token index (into the flattened step) of each padded query row; padding repeats a real one
+    q_valid: index of the real rows among the S*Q padded query rows (None: all are real)
+    out_index: token index of each real query row, in q_valid order
+    block_tables [S, W]: each sequence's blocks (padding repeats a real block; its keys are masked)
+    bias [KVH*S, G*Q, W*block_size]: 0 where a query may attend a key, -inf elsewhere (causal + sequence end)
+    seq_lens [S] int32: the kernel's input (decode groups on the kernel path only)
+    """
+
+    q_index: torch.Tensor
+    q_valid: torch.Tensor | None
+    out_index: torch.Tensor
+    block_tables: torch.Tensor
+    bias: torch.Tensor
+    q_len: int
+    seq_lens: torch.Tensor | None = None
+    identity: bool = False  # one token per sequence, the whole step in order: no gather/scatter of queries
+
+
+@dataclass
+class StepPlan:
+    """The step's layout, built once and read by every layer's attention call."""
+
+    k_stores: list[torch.Tensor]  # per layer [kv_heads, num_blocks, block_size, head_dim]
+    v_stores: list[torch.Tensor]
+    slots: torch.Tensor  # [T] int64
+    groups: list[AttnGroup]
+    kernel_groups: list[AttnGroup]  # decode groups that go through the Triton kernel
+    num_tokens: int
+
+
+def _build_group(steps: list[SeqStep], offsets: list[int], block_size: int, device, kv_heads: int,
+                 group_size: int, with_kernel_inputs: bool, total_tokens: int) -> AttnGroup:
+    """Index tensors for a set of sequences: a few small Python lists, then vectorized tensor ops."""
+    lens = [len(s.token_ids) for s in steps]
+    seq_lens = [s.start_pos + n for s, n in zip(steps, lens)]
+    q_len = max(lens)
+    width = max(blocks_for(n, block_size) for n in seq_lens)
+    tables = [s.block_table[: blocks_for(n, block_size)] for s, n in zip(steps, seq_lens)]
+    tables = [t + [t[0]] * (width - len(t)) for t in tables]
+    block_tables = torch.tensor(tables, dtype=torch.int32 if with_kernel_inputs else torch.long, device=device)
+    offsets_t = torch.tensor(offsets, device=device)
+    lens_t = torch.tensor(lens, device=device)
+    starts_t = torch.tensor([s.start_pos for s in steps], device=device)
+    row = torch.arange(q_len, device=device)
+    valid = row[None, :] < lens_t[:, None]  # [S, Q]
+    q_index = torch.where(valid, offsets_t[:, None] + row[None, :], offsets_t[:, None])
+    # Padding query rows get position 0: they may see key 0, so their softmax never divides by zero.
+    q_pos = torch.where(valid, starts_t[:, None] + row[None, :], 0)
+    key_pos = torch.arange(width * block_size, device=device)
+    allowed = key_pos[None, None, :] <= q_pos[:, :, None]  # causal, which also stops at each sequence's end
+    bias = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
+    # One bias row per (KV head, sequence) x (query head in the group, query) row of the scores,
+    # materialized once per step so every layer adds it inside its matmul (baddbmm).
+    s = len(steps)
+    bias = bias[None, :, None].expand(kv_heads, s, group_size, q_len, width * block_size)
+    bias = bias.reshape(kv_heads * s, group_size * q_len, width * block_size)
+    group = AttnGroup(
+        q_index=q_index.flatten(),
+        q_valid=None if q_len == 1 else valid.flatten().nonzero().flatten(),
+        out_index=q_index[valid],
+        block_tables=block_tables,
+        bias=bias,
+        q_len=q_len,
+        identity=q_len == 1 and offsets == list(range(total_tokens)),
+    )
+    if with_kernel_inputs:
+        group.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return group
+
+
+# What one more attention group costs per layer (a dozen small ops), in gathered blocks' worth of work.
+GROUP_COST_BLOCKS = 16
+
+
+def split_by_length(seq_lens: list[int], block_size: int, max_groups: int = 3) -> list[list[int]]:
+    """Indices of sequences split into <= max_groups groups of similar length.
+
+    A group costs (its size x its longest sequence's blocks) gathered blocks plus a fixed
+    GROUP_COST_BLOCKS; sorted by length, the best split points are found by trying them all
+    (at most a few thousand sums for a batch of 64).
+    """
+    order = sorted(range(len(seq_lens)), key=lambda i: seq_lens[i])
+    blocks = [blocks_for(seq_lens[i], block_size) for i in order]
+    n = len(order)
+
+    def cost(a: int, b: int) -> int:  # group of sorted positions a..b-1
+        return (b - a) * blocks[b - 1] + GROUP_COST_BLOCKS
+
+    best = (cost(0, n), [n])
+    if max_groups >= 2:
+        for i in range(1, n):
+            best = min(best, (cost(0, i) + cost(i, n), [i, n]))
+            if max_groups >= 3:
+                for j in range(i + 1, n):
+                    best = min(best, (cost(0, i) + cost(i, j) + cost(j, n), [i, j, n]))
+    bounds = [0] + best[1]
+    return [order[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _attend(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, group: AttnGroup,
+            scaling: float) -> torch.Tensor:
+    """Vectorized paged attention for one group: gather whole blocks, grouped matmuls, masked softmax.
+
+    query [KVH, G, T, D]: the whole step's queries, grouped by the KV head they read.
+    Returns [rows, H, D] for the group's real query rows.
+    The store is head-major ([KVH, blocks, block_size, D]), so gathering a sequence's blocks yields
+    each (KV head, sequence) pair's keys as one contiguous [W*block_size, D] matrix: one copy, and
+    the matmuls read it as it lies. Grouped-query attention without repeating K/V: the G query
+    heads that share a KV head are stacked along the query axis of one matmul.
+    """
+    kv_heads, g, _, head_dim = query.shape
+    s, q_len = group.block_tables.shape[0], group.q_len
+    q = query if group.identity else query[:, :, group.q_index]  # [KVH, G, S*Q, D]
+    # [KVH, G, S, Q, D] -> [KVH, S, G*Q, D]
+    q = q.view(kv_heads, g, s, q_len, head_dim).transpose(1, 2).reshape(kv_heads * s, g * q_len, head_dim)
+    keys = k_store[:, group.block_tables].view(kv_heads * s, -1, head_dim)  # [KVH*S, L, D]
+    values = v_store[:, group.block_tables].view(kv_heads * s, -1, head_dim)
+    # scores = bias + scaling * q @ k^T in one call; softmax in float32 even for half-precision models.
+    scores = torch.baddbmm(group.bias.to(q.dtype), q, keys.transpose(1, 2), alpha=scaling)
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
+    out = torch.bmm(probs, values)  # [KVH*S, G*Q, D]
+    # -> [S, Q, KVH, G, D] -> [S*Q, H, D]
+    out = out.view(kv_heads, s, g, q_len, head_dim).permute(1, 3, 0, 2, 4).reshape(s * q_len, kv_heads * g, head_dim)
+    return out if group.q_valid is None else out[group.q_valid]
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            minikv_plan: StepPlan | None = None, **kwargs):
+    """The attention function ``transformers`` calls in every layer (registered as ``"minikv_paged"``).
+
+    query [1, H, T, D], key/value [1, KVH, T, D]: this step's tokens, rotary already applied.
+    Returns ([1, T, H, D], None), the layout the model's ``o_proj`` expects.
+    """
+    plan = minikv_plan
+    if plan is None:
+        raise RuntimeError(
+            f"attention '{ATTN_NAME}' runs only inside ModelRunner.execute (it needs the step's block "
+            f"tables); set model.config._attn_implementation back to 'sdpa' to use the model alone"
+        )
+    layer = module.layer_idx
+    k_store, v_store = plan.k_stores[layer], plan.v_stores[layer]
+    kv_heads, _, _, head_dim = k_store.shape
+    num_heads, num_tokens = query.shape[1], query.shape[2]
+    scaling = scaling if scaling is not None else head_dim**-0.5
+    # 1. Store this step's keys and values at their slots (prefill chunks and decode tokens alike).
+    k_store.view(kv_heads, -1, head_dim).index_copy_(1, plan.slots, key[0].to(k_store.dtype))
+    v_store.view(kv_heads, -1, head_dim).index_copy_(1, plan.slots, value[0].to(v_store.dtype))
+    # 2. Attend through the block tables. Query head h reads KV head h // G.
+    grouped = query[0].view(kv_heads, num_heads // kv_heads, num_tokens, head_dim)
+    if len(plan.groups) == 1 and plan.groups[0].identity:
+        out = _attend(grouped, k_store, v_store, plan.groups[0], scaling)
+    else:
+        out = query.new_empty(num_tokens, num_heads, head_dim)
+        for group in plan.groups:  # at most two: decodes and prefill chunks
+            out[group.out_index] = _attend(grouped, k_store, v_store, group, scaling)
+        for group in plan.kernel_groups:
+            q = query[0, :, group.out_index].transpose(0, 1)  # [S, H, D]
+            out[group.out_index] = _kernel_decode(q, k_store, v_store, group, scaling)
+    return out.unsqueeze(0), None
+
+
+def _kernel_decode(q, k_store, v_store, group, scaling):
+    from kernels.paged_attention import paged_attention as kernel
+
+    # The kernel's layout, [blocks, block_size, KVH, D], as a view of the head-major store (it
+    # reads through strides). Inputs were checked when the step was planned; re-checking in every
+    # layer would read seq_lens back from the GPU thirty times a step.
+    return kernel(q.contiguous(), k_store.permute(1, 2, 0, 3), v_store.permute(1, 2, 0, 3),
+                  group.block_tables, group.seq_lens, scaling, check_inputs=False)
+
+
+def _no_mask(*args, **kwargs):
+    """The mask function for ``"minikv_paged"``: none. Masks live in the StepPlan, per sequence."""
+    return None
+
+
+def register() -> None:
+    """Make ``"minikv_paged"`` known to transformers' attention and mask registries (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+
+
+class ModelRunner:
+    """Owns the KV block pools of one model and runs engine steps through it.
+
+    Pools: per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim] in the model's
+    dtype and device. ``use_kernel=None`` sends decode tokens through the Triton kernel on CUDA and
+    the vectorized PyTorch path on the CPU; ``True`` on the CPU runs the kernel under Triton's
+    interpreter (slow: for testing the GPU's code path), ``False`` never uses it.
+    """
+
+    def __init__(self, model, num_blocks: int, block_size: int, *, use_kernel: bool | None = None):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must both be >= 1")
+        register()
+        self.model = model.eval()
+        config = model.config
+        self.num_blocks, self.block_size = num_blocks, block_size
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.num_layers, self.kv_heads, self.head_dim = self._kv_shape(config)
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.num_heads = text_config.num_attention_heads
+        self.use_kernel = self.device.type == "cuda" if use_kernel is None else use_kernel
+        # Stored head-major, [kv_heads, num_blocks, block_size, head_dim], so a block gather gives
+        # each KV head's keys contiguously (see _attend); k_pools/v_pools are the same memory seen
+        # in the course's layout, [num_blocks, block_size, kv_heads, head_dim].
+        shape = (self.kv_heads, num_blocks, block_size, self.head_dim)
+        self.k_stores = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v_stores = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.k_pools = [store.permute(1, 2, 0, 3) for store in self.k_stores]
+        self.v_pools = [store.permute(1, 2, 0, 3) for store in self.v_stores]
+        self.bytes_per_block = self.bytes_per_block_for(config, block_size, self.dtype)
+
+    @staticmethod
+    def _kv_shape(config) -> tuple[int, int, int]:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return config.num_hidden_layers, kv_heads, head_dim
+
+    @staticmethod
+    def bytes_per_block_for(config, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block id holds: K and V, every layer (2 * layers * block_size * kv_heads * head_dim * itemsize)."""
+        layers, kv_heads, head_dim = ModelRunner._kv_shape(config)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * layers * block_size * kv_heads * head_dim * itemsize
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def plan(self, steps: list[SeqStep]) -> tuple[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flatten the steps: input ids, positions, logit rows, and the attention plan. Checks the input."""
+        ids, positions, slots, logit_rows = [], [], [], []
+        decode, decode_at, prefill, prefill_at = [], [], [], []
+        capacity = self.num_blocks * self.block_size
+        for step in steps:
+            n = len(step.token_ids)
+            if n == 0 or len(step.slots) != n:
+                raise ValueError(
+                    f"sequence {step.seq_id}: {n} tokens but {len(step.slots)} slots; a step needs >= 1 token "
+                    f"and one slot per token (what BlockManager.append returned)"
+                )
+            end = step.start_pos + n
+            if blocks_for(end, self.block_size) > len(step.block_table):
+                raise ValueError(
+                    f"sequence {step.seq_id}: block table has {len(step.block_table)} blocks but positions "
+                    f"0..{end - 1} need {blocks_for(end, self.block_size)}: append before executing"
+                )
+            bad = [b for b in step.block_table[: blocks_for(end, self.block_size)] if not 0 <= b < self.num_blocks]
+            bad += [s for s in step.slots if not 0 <= s < capacity]
+            if bad:
+                raise ValueError(f"sequence {step.seq_id}: block/slot {bad[0]} is outside the pool of "
+                                 f"{self.num_blocks} blocks x {self.block_size}")
+            offset = len(ids)
+            (decode if n == 1 else prefill).append(step)
+            (decode_at if n == 1 else prefill_at).append(offset)
+            ids += step.token_ids
+            positions += range(step.start_pos, end)
+            slots += step.slots
+            if step.wants_logits:
+                logit_rows.append(offset + n - 1)
+        dev = self.device
+        groups, kernel_groups = [], []
+        g = self.num_heads // self.kv_heads
+        if decode and self.use_kernel:  # the kernel reads each sequence's own length: no padding to save
+            kernel_groups.append(_build_group(decode, decode_at, self.block_size, dev, self.kv_heads, g,
+                                              True, len(ids)))
+        elif decode:
+            # Padding every decode to the longest context would gather (and multiply) mostly padding
+            # when lengths differ a lot; split them into up to three groups of similar length.
+            for part in split_by_length([s.start_pos + 1 for s in decode], self.block_size):
+                groups.append(_build_group([decode[i] for i in part], [decode_at[i] for i in part],
+                                           self.block_size, dev, self.kv_heads, g, False, len(ids)))
+        if prefill:
+            groups.append(_build_group(prefill, prefill_at, self.block_size, dev, self.kv_heads, g, False, len(ids)))
+        plan = StepPlan(self.k_stores, self.v_stores, torch.tensor(slots, device=dev), groups, kernel_groups, len(ids))
+        return (plan, torch.tensor([ids], device=dev), torch.tensor([positions], device=dev),
+                torch.tensor(logit_rows, device=dev))
+
+    @contextmanager
+    def _paged_attention(self):
+        """Switch the model to our attention for one forward and back (a user's model stays theirs)."""
+        config = self.model.config
+        previous = config._attn_implementation
+        config._attn_implementation = ATTN_NAME
+        try:
+            yield
+        finally:
+            config._attn_implementation = previous
+
+    @torch.inference_mode()
+    def execute(self, steps: list[SeqStep]) -> torch.Tensor:
+        """Run one step; return float32 logits [number of steps wanting logits, vocab], in steps' order."""
+        if not steps:
+            raise ValueError("execute needs at least one SeqStep")
+        plan, input_ids, position_ids, logit_rows = self.plan(steps)
+        if len(logit_rows) == 0:
+            # Nothing samples (every sequence is mid-prefill): still run the model to fill the cache.
+            logit_rows = torch.tensor([input_ids.shape[1] - 1], device=self.device)
+            keep_none = True
+        else:
+            keep_none = False
+        with self._paged_attention():
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                             logits_to_keep=logit_rows, minikv_plan=plan)
+        logits = out.logits[0].float()
+        return logits[:0] if keep_none else logits
+
+    # -- block operations the block manager asks for ------------------------------------------------
+
+    def _index(self, blocks) -> torch.Tensor:
+        return torch.as_tensor(list(blocks), dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src's K and V into block dst, in every layer."""
+        if not pairs:
+            return
+        src = self._index(p[0] for p in pairs)
+        dst = self._index(p[1] for p in pairs)
+        for store in (*self.k_stores, *self.v_stores):
+            store[:, dst] = store[:, src]
+
+    @torch.inference_mode()
+    def swap_out(self, blocks: list[int]) -> torch.Tensor:
+        """Those blocks' K/V, all layers, on the CPU: [2, layers, len(blocks), block_size, kv_heads, head_dim]."""
+        index = self._index(blocks)
+        data = torch.stack([torch.stack([pool[index] for pool in pools]) for pools in (self.k_pools, self.v_pools)])
+        return data.to("cpu")
+
+    @torch.inference_mode()
+    def swap_in(self, data: torch.Tensor, blocks: list[int]) -> None:
+        """Write data from swap_out back into (possibly other) blocks."""
+        expected = (2, self.num_layers, len(blocks), self.block_size, self.kv_heads, self.head_dim)
+        if tuple(data.shape) != expected:
+            raise ValueError(f"swap_in data has shape {tuple(data.shape)}, expected {expected} (from swap_out)")
+        index = self._index(blocks)
+        data = data.to(self.device, self.dtype)
+        for kv, pools in enumerate((self.k_pools, self.v_pools)):
+            for layer, pool in enumerate(pools):
+                pool[index] = data[kv, layer]  # a view: writes land in the head-major store
