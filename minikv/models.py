@@ -35,6 +35,10 @@ class ModelNotAvailable(RuntimeError):
     """The model cannot be loaded on this machine; the message says what to do instead."""
 
 
+class UnknownModel(ModelNotAvailable, ValueError):
+    """A name that is neither an offline model nor a Hub id: bad input (a ValueError) as well."""
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -158,7 +162,7 @@ def load_model(name: str = SMOLLM2, device: str | torch.device | None = None,
         # notebooks (the one-time GGUF conversion above keeps its bar).
         quiet = True
     elif "/" not in name and not Path(name).exists():
-        raise ModelNotAvailable(f"unknown model name {name!r}: the offline models are {', '.join(OFFLINE_MODELS)}; "
+        raise UnknownModel(f"unknown model name {name!r}: the offline models are {', '.join(OFFLINE_MODELS)}; "
                                 "a Hugging Face Hub id looks like 'org/name' (needs a reachable hub)")
     else:
         source, quiet = name, False

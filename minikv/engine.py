@@ -1,0 +1,456 @@
+"""The engine: requests in, tokens out, one step at a time (vLLM's `LLM` and `LLMEngine` shapes).
+
+One `LLMEngine.step()` is one iteration of continuous batching:
+
+    schedule (who computes which tokens, into which slots)  ->  copy-on-write block copies
+    ->  one forward of the model over every scheduled token  ->  sample  ->  stop checks
+
+and returns the `RequestOutput`s that changed. `LLM.generate` is that loop with a progress bar.
+Data flows one way: request -> scheduler -> block manager -> model runner -> attention.
+
+The KV pool is sized once, at start (`kv_pool_blocks`), and printed: a serving engine
+reserves its cache up front and then lives within it; admission and preemption are how.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from minikv.blocks import blocks_for
+from minikv.metrics import RequestMetrics, StepStats
+from minikv.prefix import BlockManager
+from minikv.sampling import SamplingParams, make_generator, sample
+from minikv.scheduler import Scheduler, SchedulerConfig
+from minikv.sequence import Request, Sequence, SeqStatus
+from minikv.sizing import fmt_bytes, kv_bytes_per_token
+
+CPU_KV_CACHE_MEMORY = 1 << 30      # the CPU default pool: 1 GiB (a GPU gets a share of its free memory)
+GPU_KV_CACHE_FRACTION = 0.5        # of the device memory free once the weights are loaded
+
+
+# -- outputs ---------------------------------------------------------------------------------
+class CompletionOutput:
+    """One sample of a request, read live from its sequence (so streaming costs nothing per step)."""
+
+    def __init__(self, seq: Sequence, tokenizer):
+        self._seq, self._tok = seq, tokenizer
+        self.index = seq.index
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._seq.output_token_ids
+
+    @property
+    def text(self) -> str:
+        seq = self._seq
+        if self._tok is None:
+            return ""
+        if seq.request.params.stop:   # detokenized incrementally, to find stop strings (see _stop_string)
+            return seq.text
+        return self._tok.decode(seq.output_token_ids, skip_special_tokens=True)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._seq.finish_reason
+
+    def __repr__(self) -> str:
+        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+                f"finish_reason={self.finish_reason!r})")
+
+
+class RequestOutput:
+    """A request's prompt and its n samples so far; the same object is updated as it runs."""
+
+    def __init__(self, request: Request, tokenizer):
+        self._request, self._tok = request, tokenizer
+        self.request_id = request.request_id
+        self.prompt = request.prompt
+        self.prompt_token_ids = request.prompt_token_ids
+        self.metrics = request.metrics
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return [CompletionOutput(s, self._tok) for s in self._request.seqs]
+
+    @property
+    def finished(self) -> bool:
+        return self._request.finished
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+                f"outputs={self.outputs}, finished={self.finished})")
+
+
+# -- sizing ----------------------------------------------------------------------------------
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``2 * 2**30``, ``"2GiB"``, ``"512 MB"``, ``"1.5gib"`` -> bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", str(value).lower())
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"a memory size must be a positive number of bytes or a string like '2GiB' or '512MB'; "
+                         f"got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def kv_pool_blocks(model, block_size: int, num_blocks: int | None, kv_cache_memory, max_num_seqs: int,
+                   max_model_len: int) -> tuple[int, int]:
+    """How many blocks the KV pool gets, and the bytes one block takes (K and V, every layer).
+
+    ``num_blocks`` wins; else ``kv_cache_memory`` (bytes or "2GiB"); else on a GPU half the
+    device memory still free after the weights, on the CPU 1 GiB. Either default is capped at
+    what ``max_num_seqs`` sequences of full context could ever use.
+    """
+    param = next(model.parameters())
+    per_block = kv_bytes_per_token(model.config, param.dtype) * block_size
+    if num_blocks is not None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        return num_blocks, per_block
+    if kv_cache_memory is not None:
+        blocks = parse_bytes(kv_cache_memory) // per_block
+        if blocks < 1:
+            raise ValueError(f"kv_cache_memory={kv_cache_memory!r} holds no block: one block of {block_size} "
+                             f"tokens takes {fmt_bytes(per_block)}; give at least that much")
+        return blocks, per_block
+    if param.device.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(param.device)[0] * GPU_KV_CACHE_FRACTION)
+    else:
+        budget = CPU_KV_CACHE_MEMORY
+    cap = max_num_seqs * blocks_for(max_model_len, block_size)
+    return max(1, min(budget // per_block, cap)), per_block
+
+
+# -- the engine ------------------------------------------------------------------------------
+class LLMEngine:
+    """Step-level API: `add_request`, `step`, `abort_request`, `has_unfinished_requests`.
+
+    `runner` replaces the model runner (tests pass a fake one that needs no model forward).
+    ``watermark`` is the share of the pool kept free when admitting (at least one block when > 0).
+    """
+
+    def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_memory=None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 preemption_mode: str = "recompute", swap_space=None, watermark: float = 0.01,
+                 runner=None, verbose: bool = True):
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark is a share of the pool in [0, 1), got {watermark!r}")
+        self.model, self.tokenizer = model, tokenizer
+        config = model.config
+        self.max_model_len = config.max_position_embeddings
+        eos = getattr(config, "eos_token_id", None)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos = tokenizer.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+        self.vocab_size = config.vocab_size
+
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, self.max_model_len)
+        if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
+
+        self.num_blocks, self.bytes_per_block = kv_pool_blocks(
+            model, block_size, num_blocks, kv_cache_memory, max_num_seqs, self.max_model_len)
+        self.block_size = block_size
+        swap_blocks = 0
+        if preemption_mode == "swap":
+            swap_blocks = self.num_blocks if swap_space is None else parse_bytes(swap_space) // self.bytes_per_block
+        if verbose:
+            print(f"minikv: KV cache pool of {self.num_blocks} blocks x {block_size} tokens "
+                  f"= {self.num_blocks * block_size} tokens, {fmt_bytes(self.num_blocks * self.bytes_per_block)}")
+
+        self.bm = BlockManager(self.num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        if runner is None:
+            from minikv.runner import ModelRunner
+            runner = ModelRunner(model, self.num_blocks, block_size)
+        self.runner = runner
+        self.device = next(model.parameters()).device
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
+            watermark_blocks=max(1, int(watermark * self.num_blocks)) if watermark > 0 else 0,
+            swap_blocks=swap_blocks), self.bm, runner)
+        self.requests: dict[str, Request] = {}
+        self.step_stats: list[StepStats] = []
+        self._aborted: list[RequestOutput] = []
+
+    # -- requests ------------------------------------------------------------------------------
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError(f"a dict prompt needs the key 'prompt_token_ids'; got keys {sorted(prompt)}")
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: pass tokenizer=... or give token ids "
+                                 "({'prompt_token_ids': [...]})")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt is a str, a list of token ids or {{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue one request; every check happens here, so a bad request never reaches the batch."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use; give each request its own id")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError("empty prompt: give at least one token (a text prompt must tokenize to something)")
+        if not all(0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size}) (the model's vocabulary)")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens is longer than the model's context of "
+                             f"{self.max_model_len} tokens (max_position_embeddings); shorten it")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to detokenize; use stop_token_ids instead")
+        if params.n > self.scheduler.config.max_num_seqs:
+            raise ValueError(f"n={params.n} samples cannot run together with max_num_seqs="
+                             f"{self.scheduler.config.max_num_seqs}; lower n or raise max_num_seqs")
+        # The most K/V one sequence ever holds: every token but the last one sampled.
+        longest = min(len(ids) + params.max_tokens - 1, self.max_model_len)
+        need = blocks_for(longest, self.block_size)
+        if need > self.num_blocks:
+            raise ValueError(f"request {request_id!r} cannot fit even alone: {len(ids)} prompt + {params.max_tokens} "
+                             f"max_tokens need up to {need} blocks of {self.block_size} tokens, but the pool has "
+                             f"{self.num_blocks}; give the cache more memory or lower max_tokens")
+        cfg = self.scheduler.config
+        if not cfg.enable_chunked_prefill and longest > cfg.max_num_batched_tokens:
+            raise ValueError(f"without chunked prefill a sequence of up to {longest} tokens must fit in one step, "
+                             f"but max_num_batched_tokens={cfg.max_num_batched_tokens}; raise it or enable "
+                             f"chunked prefill")
+        req = Request(request_id, text, ids, params,
+                      RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter()))
+        seq = Sequence(req, 0, list(ids), generator=make_generator(params.seed, self.device))
+        self._init_detok(seq)
+        req.seqs.append(seq)
+        req.output = RequestOutput(req, self.tokenizer)
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is; every block it held is freed. Unknown ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+        self.scheduler.remove_finished()
+        req.metrics.finished_time = time.perf_counter()
+        self._aborted.append(req.output)
+        return req.output
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return the outputs that changed (a new token, a finish, an abort)."""
+        from minikv.runner import SeqStep
+
+        t0 = time.perf_counter()
+        changed, self._aborted = self._aborted, []
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not schedule anything although requests are pending "
+                                   f"(waiting {len(self.scheduler.waiting)}, swapped {len(self.scheduler.swapped)}, "
+                                   f"free blocks {self.bm.num_free_blocks}): this is a bug in minikv")
+            return changed
+        if out.copies:
+            self.runner.copy_blocks(out.copies)
+        steps = [SeqStep(s.seq.seq_id, s.seq.token_ids[s.start:s.start + s.num_tokens], s.start,
+                         self.bm.block_table(s.seq.seq_id), s.slots, s.wants_logits) for s in out.scheduled]
+        logits = self.runner.execute(steps)
+
+        # Which logits row each sequence samples from. A request's first sample forks it into its
+        # n sequences (they share the prompt's blocks) and each draws from the same row.
+        rows, flat = [], []
+        for i, s in enumerate(s for s in out.scheduled if s.wants_logits):
+            family = [s.seq] if s.seq.request.forked else self._fork(s.seq)
+            rows += [i] * len(family)
+            flat += family
+        tokens = []
+        if flat:
+            if len(rows) != logits.shape[0]:
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            tokens = sample(logits, [s.request.params for s in flat], [s.generator for s in flat])
+
+        now = time.perf_counter()
+        touched = {}
+        for seq, tok in zip(flat, tokens):
+            self._append_token(seq, tok, now)
+            touched[seq.request.request_id] = seq.request
+        self.scheduler.remove_finished()
+        for req in touched.values():
+            if req.finished:
+                req.metrics.finished_time = now
+                del self.requests[req.request_id]
+            changed.append(req.output)
+
+        sched, bm = self.scheduler, self.bm
+        self.step_stats.append(StepStats(
+            step=len(self.step_stats), time=now, duration=now - t0, num_running=len(sched.running),
+            num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
+            blocks_used=self.num_blocks - bm.num_free_blocks, blocks_cached=getattr(bm, "num_cached_blocks", 0),
+            blocks_free=bm.num_free_blocks, prefill_tokens=out.prefill_tokens, decode_tokens=out.decode_tokens,
+            preemptions=len(out.preempted)))
+        return changed
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """After its prompt: the request's other n-1 samples share every block of `seq` (copy-on-write)."""
+        req = seq.request
+        req.forked = True
+        family = [seq]
+        for i in range(1, req.params.n):
+            child = Sequence(req, i, list(seq.token_ids), status=SeqStatus.RUNNING, num_computed=seq.num_computed,
+                             generator=make_generator(None if req.params.seed is None else req.params.seed + i,
+                                                      self.device))
+            self._init_detok(child)
+            self.bm.fork(seq.seq_id, child.seq_id)
+            self.scheduler.running.append(child)
+            req.seqs.append(child)
+            family.append(child)
+        return family
+
+    # -- stopping ------------------------------------------------------------------------------
+    def _append_token(self, seq: Sequence, tok: int, now: float) -> None:
+        seq.token_ids.append(tok)
+        m = seq.request.metrics
+        if seq.index == 0:
+            m.token_times.append(now)
+        if m.first_token_time is None:
+            m.first_token_time = now
+        p = seq.request.params
+        reason, stop_string = None, bool(p.stop) and self._stop_string(seq)
+        if stop_string or (tok in self.eos_token_ids and not p.ignore_eos) or (
+                p.stop_token_ids and tok in p.stop_token_ids):
+            reason = "stop"
+        elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            if p.stop and not stop_string:
+                self._flush_detok(seq)   # the text's last characters may still be pending
+            self.scheduler.finish(seq, reason)
+
+    def _init_detok(self, seq: Sequence) -> None:
+        # Decode from a few prompt tokens back, so the first output token gets its leading space right.
+        seq.prefix_offset = max(seq.num_prompt_tokens - 5, 0)
+        seq.read_offset = seq.num_prompt_tokens
+
+    def _stop_string(self, seq: Sequence) -> bool:
+        """Detokenize the newest token incrementally; on a stop string, cut the text before it."""
+        tok, ids = self.tokenizer, seq.token_ids
+        before = tok.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
+        now = tok.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+        if len(now) <= len(before) or now.endswith("\ufffd"):   # an incomplete character: wait for more
+            return False
+        old_len = len(seq.text)
+        seq.text += now[len(before):]
+        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+        longest = max(len(s) for s in seq.request.params.stop)
+        start = max(0, old_len - longest + 1)
+        hits = [i for i in (seq.text.find(s, start) for s in seq.request.params.stop) if i >= 0]
+        if hits:
+            seq.text = seq.text[:min(hits)]
+            seq.read_offset = len(ids)
+            return True
+        return False
+
+    def _flush_detok(self, seq: Sequence) -> None:
+        if seq.read_offset < len(seq.token_ids):
+            tok, ids = self.tokenizer, seq.token_ids
+            before = tok.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
+            seq.text += tok.decode(ids[seq.prefix_offset:], skip_special_tokens=True)[len(before):]
+            seq.read_offset = len(ids)
+
+
+class LLM:
+    """Offline generation, vLLM's shape: ``LLM("smollm2-135m").generate(prompts, SamplingParams(...))``.
+
+    `model` is a loaded ``transformers`` causal LM (give its `tokenizer` for text prompts) or a
+    name for `minikv.models.load_model` ("smollm2-135m", "tiny-random-llama", or a Hub id). The
+    other arguments are `LLMEngine`'s (pool size, budgets, prefix caching, chunked prefill,
+    preemption mode, swap space).
+    """
+
+    def __init__(self, model, tokenizer=None, **engine_args):
+        if isinstance(model, (str, Path)):
+            from minikv.models import load_model
+            model, loaded_tok = load_model(str(model))
+            tokenizer = tokenizer if tokenizer is not None else loaded_tok
+        self.engine = LLMEngine(model, tokenizer, **engine_args)
+        self.tokenizer = tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the prompts' order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                 and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given: pass a str, a list of them, or token-id lists")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams: give one, or one per prompt")
+        ids = [str(next(self._ids)) for _ in prompts]
+        eng = self.engine
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                eng.add_request(rid, prompt, p)
+            results: dict[str, RequestOutput] = {}
+            bar = None
+            if use_tqdm:
+                from tqdm.auto import tqdm
+                bar = tqdm(total=len(prompts), desc="Processed prompts", unit="req")
+            mine = set(ids)
+            while len(results) < len(ids):
+                for o in eng.step():
+                    if o.finished and o.request_id in mine and o.request_id not in results:
+                        results[o.request_id] = o
+                        if bar is not None:
+                            bar.update(1)
+            if bar is not None:
+                bar.close()
+        finally:   # an error or ^C mid-run: nothing stays queued, every block goes back
+            for rid in ids:
+                eng.abort_request(rid)
+            eng._aborted.clear()
+        return [results[rid] for rid in ids]
+
+    def chat(self, conversations, sampling_params=None, use_tqdm: bool = True, **template_kwargs):
+        """Apply the tokenizer's chat template to each conversation (a list of {"role", "content"})."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template: pass tokenizer=...")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = []
+        for c in conversations:
+            text = self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False, **template_kwargs)
+            # the template already wrote any special tokens it wants: do not add them again
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

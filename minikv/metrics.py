@@ -1,0 +1,116 @@
+"""What the engine measures: per request (latency) and per step (occupancy), and the usual summaries.
+
+Per request, `RequestMetrics` records wall-clock times (``time.perf_counter()`` seconds):
+arrival, first scheduled, each generated token, finish; plus how often it was preempted and
+how many prompt tokens the prefix cache served. From those:
+
+* **TTFT**, time to first token: ``first_token_time - arrival_time`` (queueing + prefill);
+* **TPOT**, time per output token: the mean gap between consecutive tokens after the first
+  (what a reader of a streamed answer feels; a preemption shows up as one long gap, the
+  "latency wobble");
+* **latency**: ``finished_time - arrival_time``.
+
+Per step, `StepStats` is one row of the occupancy timeline: how many sequences ran, waited or
+sat swapped out, how many blocks were used / cached-evictable / free, how many tokens were
+scheduled (prefill vs decode), how many preemptions happened.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each of sample 0's tokens arrived
+    finished_time: float | None = None
+    preemptions: int = 0             # times any of its sequences was preempted
+    cached_prompt_tokens: int = 0    # prompt tokens served by the prefix cache at first admission
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def max_gap(self) -> float | None:
+        """The longest wait between two consecutive tokens: where a preemption shows."""
+        gaps = [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        return max(gaps) if gaps else None
+
+
+@dataclass
+class StepStats:
+    step: int
+    time: float              # perf_counter at the end of the step
+    duration: float          # seconds the step took (schedule + forward + sample + bookkeeping)
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    blocks_used: int         # held by some sequence
+    blocks_cached: int       # free but still holding a cached prefix (evictable)
+    blocks_free: int         # an allocation could take them now (never-used + cached-evictable)
+    prefill_tokens: int
+    decode_tokens: int
+    preemptions: int
+
+    @property
+    def tokens_scheduled(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+
+def summarize(outputs, steps: list[StepStats] | None = None, prefix_stats=None) -> dict:
+    """The headline numbers of a run: tokens/s, mean/p50/p99 TTFT and TPOT, preemptions, prefix hit rate.
+
+    `outputs`: finished `RequestOutput`s. `steps`: the engine's `step_stats` (for the wall time and
+    occupancy). `prefix_stats`: the block manager's `stats` (for the hit rate), if any.
+    """
+    outputs = list(outputs)
+    ms = [o.metrics for o in outputs]
+    gen = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    start = min(m.arrival_time for m in ms) if ms else 0.0
+    end = max((m.finished_time or start) for m in ms) if ms else 0.0
+    ttft = [m.ttft for m in ms if m.ttft is not None]
+    tpot = [m.tpot for m in ms if m.tpot is not None]
+
+    def pct(xs, q):
+        return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else (xs[0] if xs else None)
+
+    out = {
+        "requests": len(outputs),
+        "generated_tokens": gen,
+        "seconds": end - start,
+        "tokens_per_s": gen / (end - start) if end > start else None,
+        "ttft_mean": statistics.fmean(ttft) if ttft else None,
+        "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+        "tpot_mean": statistics.fmean(tpot) if tpot else None,
+        "tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99),
+        "preemptions": sum(m.preemptions for m in ms),
+    }
+    if steps:
+        out["steps"] = len(steps)
+        out["max_running"] = max(s.num_running for s in steps)
+        out["max_blocks_used"] = max(s.blocks_used for s in steps)
+    if prefix_stats is not None:
+        out["prefix_hit_rate"] = getattr(prefix_stats, "hit_rate", None)
+    return out
+
+
+def occupancy(steps: list[StepStats]) -> dict[str, list]:
+    """The occupancy timeline as columns (ready for matplotlib): step, running, waiting, swapped, blocks."""
+    cols = ("step", "num_running", "num_waiting", "num_swapped", "blocks_used", "blocks_cached",
+            "blocks_free", "prefill_tokens", "decode_tokens", "preemptions")
+    return {c: [getattr(s, c) for s in steps] for c in cols}

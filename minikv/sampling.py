@@ -1,0 +1,142 @@
+"""Sampling: how a request asks for tokens (`SamplingParams`) and how one is drawn from logits (`sample`).
+
+`SamplingParams` uses vLLM's names and defaults, so a learner can move to vLLM without relearning.
+Bad values fail when the request is made, with a message that says how to fix them, never halfway
+through a batch.
+
+`sample(logits, params, generators)` draws one token per row of a step's logits:
+
+* ``temperature == 0`` is greedy: the argmax, exactly what ``transformers`` ``generate`` picks.
+* otherwise the logits are divided by the temperature, cut to the ``top_k`` largest (0 = all) and
+  to the smallest set whose probability reaches ``top_p`` (1.0 = all), and one token is drawn.
+* a row with a ``torch.Generator`` (a request with a ``seed``) draws from that generator alone, one
+  draw per step, so its tokens do not depend on which other requests share the batch. Rows
+  without one share torch's global generator.
+
+The masking is vectorized over the whole batch; only seeded rows draw one at a time (a draw is
+microseconds next to the model's forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SamplingParams", "apply_top_k_top_p", "make_generator", "sample"]
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output (vLLM's names and defaults).
+
+    n: how many independent samples to return for the prompt (they share its KV blocks).
+    temperature: 0 for greedy; higher is more random.
+    top_p: keep the smallest set of tokens whose probability reaches top_p (1.0 keeps all).
+    top_k: keep the k most likely tokens (0 keeps all).
+    max_tokens: stop after this many generated tokens.
+    stop / stop_token_ids: stop when the text contains a stop string, or a stop token is generated.
+    ignore_eos: keep generating past the tokenizer's end-of-sequence token.
+    seed: make this request's sampling reproducible whatever else is in the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1 (samples per prompt); got {self.n!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(
+                f"max_tokens must be an integer >= 1 (tokens to generate); got {self.max_tokens!r}"
+            )
+        if self.temperature < 0:
+            raise ValueError(
+                f"temperature must be >= 0 (0 means greedy); got {self.temperature!r}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1.0 keeps every token); got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 keeps every token); got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None; got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them; got {self.stop!r}")
+        if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of integer token ids; got {self.stop_token_ids!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator for a seeded request (None for an unseeded one): one per request, kept across steps."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k and top-p set (rows: top_k 0 / top_p 1 = keep all).
+
+    logits [rows, vocab] float; top_k [rows] int; top_p [rows] float. One sort for the whole batch.
+    The most likely token always survives, so every row keeps at least one candidate.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+    drop = rank >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # A token is dropped when the tokens ranked above it already reach top_p.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None] | None = None,
+) -> list[int]:
+    """One token id per row of `logits` [rows, vocab], row i sampled by `params[i]` with `generators[i]`."""
+    rows = logits.shape[0]
+    if len(params) != rows:
+        raise ValueError(f"{rows} rows of logits but {len(params)} SamplingParams: pass one per row")
+    generators = generators if generators is not None else [None] * rows
+    if len(generators) != rows:
+        raise ValueError(f"{rows} rows of logits but {len(generators)} generators: pass one (or None) per row")
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)  # greedy rows keep this
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        index = torch.tensor(random_rows, device=logits.device)
+        chosen = [params[i] for i in random_rows]
+        temperature = torch.tensor([p.temperature for p in chosen], device=logits.device)
+        scaled = logits[index] / temperature[:, None]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in chosen):
+            top_k = torch.tensor([p.top_k for p in chosen], device=logits.device)
+            top_p = torch.tensor([p.top_p for p in chosen], device=logits.device)
+            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+        probs = scaled.softmax(dim=-1)
+        unseeded = [j for j, i in enumerate(random_rows) if generators[i] is None]
+        if unseeded:
+            drawn = torch.multinomial(probs[unseeded], 1).squeeze(1)
+            tokens[index[unseeded]] = drawn
+        for j, i in enumerate(random_rows):
+            if generators[i] is not None:
+                # This row's draw uses only its own generator and its own probabilities.
+                tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    return tokens.tolist()

@@ -1,0 +1,246 @@
+"""The scheduler: which sequences compute how many tokens this step, and who gives way when memory runs out.
+
+Continuous (iteration-level) batching means the batch is re-decided at *every* step: finished
+sequences leave, waiting ones join, and one forward pass computes a prefill chunk of one
+sequence next to the single decode token of another. Each step, under a token budget
+(``max_num_batched_tokens``) and a seat limit (``max_num_seqs``):
+
+1. **decodes first**: every running sequence that has one token to compute gets it (a decode
+   costs 1 token of budget and at most one new block, so latency of running requests comes first);
+2. **prefill chunks** of running sequences whose prompt is not done yet fill the remaining budget;
+3. **swapped** sequences come back (swap mode), oldest first;
+4. **waiting** requests are admitted, strictly first come first served (head of line: if the
+   oldest waiting request does not fit, nobody behind it is admitted). A request is admitted
+   only if, after taking the blocks its first chunk needs, ``watermark_blocks`` stay free: that
+   headroom lets the running sequences grow into new blocks without an immediate preemption.
+
+**Preemption.** When a running sequence needs a block and none is free, the most recently
+admitted running sequence that is not yet scheduled this step (and was admitted after the
+one in need) is the victim; if there is none, the sequence in need is preempted itself.
+``recompute`` frees the victim's blocks and sends it to the front of the waiting queue: it
+will prefill prompt + generated tokens again (the prefix cache usually still holds most of
+them). ``swap`` copies its blocks to a CPU pool first and copies them back later; when the
+CPU pool is full it falls back to recompute. Either way the tokens are the same as without
+preemption; only time is lost.
+
+All bookkeeping is O(running sequences) per step: no scan of the block pool.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minikv.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"     # or "swap"
+    watermark_blocks: int = 1               # free blocks kept back when admitting (0 = none)
+    swap_blocks: int = 0                    # capacity of the CPU swap pool, in blocks
+
+
+@dataclass
+class Scheduled:
+    """One sequence's share of a step: compute token_ids[start : start + num_tokens] into `slots`."""
+    seq: Sequence
+    start: int
+    num_tokens: int
+    slots: list[int]
+
+    @property
+    def wants_logits(self) -> bool:  # the chunk reaches the sequence's newest token: sample after it
+        return self.start + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[Scheduled] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)   # COW block copies to apply first
+    preempted: list[Sequence] = field(default_factory=list)
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager, runner=None):
+        if config.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {config.preemption_mode!r}")
+        self.config, self.bm, self.runner = config, block_manager, runner  # runner: only for swap
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []     # admission order: the last one is the next victim
+        self.swapped: deque[Sequence] = deque()
+        self.swap_used = 0                    # CPU pool blocks in use
+        self.num_preemptions = 0
+
+    # -- queues ------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark `seq` finished and return its blocks (it leaves `running` at the end of the step)."""
+        if seq.status is SeqStatus.RUNNING:
+            self.bm.free(seq.seq_id)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SeqStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self._drop_swap(seq)
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+
+    def remove_finished(self) -> None:
+        self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg, bm = self.config, self.bm
+        out = SchedulerOutput()
+        self._budget = cfg.max_num_batched_tokens
+        self._done: set[int] = set()   # seq_ids scheduled this step (never chosen as victims)
+        self._out = out
+
+        # 1 + 2: running sequences, decodes then prefill chunks, in admission order.
+        for want_prefill in (False, True):
+            for seq in list(self.running):
+                if self._budget == 0:
+                    break
+                if seq.status is not SeqStatus.RUNNING or seq.is_prefill != want_prefill:
+                    continue
+                n = min(seq.num_to_compute, self._budget) if cfg.enable_chunked_prefill else seq.num_to_compute
+                if n > self._budget:
+                    continue
+                n = self._make_room(seq, n)
+                if n:
+                    self._schedule(seq, n)
+
+        # 3: swapped sequences come back, oldest first, while they fit with the watermark kept.
+        while self.swapped and self._budget > 0:
+            seq = self.swapped[0]
+            if len(self.running) + self._seats(seq) > cfg.max_num_seqs:
+                break
+            headroom = cfg.watermark_blocks if self.running else 0
+            if seq.swap_blocks + 1 > bm.num_free_blocks - headroom:
+                break
+            self.swapped.popleft()
+            self._swap_in(seq)
+            n = min(seq.num_to_compute, self._budget)
+            if n == seq.num_to_compute or cfg.enable_chunked_prefill:
+                n = self._fit(seq, n)
+                if n:
+                    self._schedule(seq, n)
+
+        # 4: waiting requests, strictly first come first served (none while any is swapped out).
+        while self.waiting and not self.swapped and self._budget > 0:
+            seq = self.waiting[0]
+            if len(self.running) + self._seats(seq) > cfg.max_num_seqs:
+                break
+            cached = bm.open(seq.seq_id, seq.token_ids)
+            n = seq.num_to_compute - cached
+            if cfg.enable_chunked_prefill:
+                n = min(n, self._budget)
+            # The watermark is headroom for sequences already running; an empty engine needs none
+            # (without that exception, a request needing the whole pool would wait forever).
+            headroom = cfg.watermark_blocks if self.running else 0
+            if n > self._budget or bm.blocks_needed(seq.seq_id, n) > bm.num_free_blocks - headroom:
+                bm.free(seq.seq_id)   # give the cache hits back: full cached blocks stay cached
+                break
+            self.waiting.popleft()
+            seq.status, seq.num_computed = SeqStatus.RUNNING, cached
+            self.running.append(seq)
+            seq.request.on_admitted(cached)
+            self._schedule(seq, n)
+
+        out.copies = bm.take_copies()
+        return out
+
+    # -- helpers -----------------------------------------------------------------------------
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        """Running slots `seq` will take: its request's n until its prompt is done and it forks."""
+        return 1 if seq.request.forked else seq.request.params.n
+
+    def _fit(self, seq: Sequence, n: int) -> int:
+        """The most tokens (<= n) of `seq` that the free blocks can hold now, preempting nobody."""
+        bm = self.bm
+        if bm.blocks_needed(seq.seq_id, n) <= bm.num_free_blocks:
+            return n
+        if not (self.config.enable_chunked_prefill and seq.is_prefill):
+            return 0
+        # A prefilling sequence's last block is its own (the prefix cache shares only full
+        # blocks), so it can take the room left in that block plus whole free blocks.
+        fit = min(n, (-seq.num_computed) % bm.block_size + bm.num_free_blocks * bm.block_size)
+        return fit if fit > 0 and bm.blocks_needed(seq.seq_id, fit) <= bm.num_free_blocks else 0
+
+    def _schedule(self, seq: Sequence, n: int) -> None:
+        start = seq.num_computed
+        slots = self.bm.append(seq.seq_id, seq.token_ids[start:start + n])
+        seq.num_computed += n
+        self._budget -= n
+        self._done.add(seq.seq_id)
+        self._out.scheduled.append(Scheduled(seq, start, n, slots))
+        if n == 1 and start >= seq.num_prompt_tokens:   # the token is a generated one: a decode
+            self._out.decode_tokens += 1
+        else:
+            self._out.prefill_tokens += n
+
+    def _make_room(self, seq: Sequence, n: int) -> int:
+        """Tokens of `seq` that can be scheduled now (<= n), preempting later sequences if needed."""
+        while True:
+            fit = self._fit(seq, n)   # a prefill chunk shrinks to what fits rather than evict anyone
+            if fit:
+                return fit
+            victim = self._victim(seq)
+            self._preempt(victim)
+            if victim is seq:
+                return 0
+
+    def _victim(self, seq: Sequence) -> Sequence:
+        """The most recently admitted running sequence behind `seq` not yet scheduled; else `seq`."""
+        for other in reversed(self.running):
+            if other is seq:
+                break
+            if other.status is SeqStatus.RUNNING and other.seq_id not in self._done:
+                return other
+        return seq
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        seq.request.metrics.preemptions += 1
+        self._out.preempted.append(seq)
+        self.running.remove(seq)
+        table = self.bm.block_table(seq.seq_id)
+        if self.config.preemption_mode == "swap" and self.swap_used + len(table) <= self.config.swap_blocks:
+            seq.swap_data, seq.swap_blocks = self.runner.swap_out(table), len(table)
+            self.swap_used += len(table)
+            self.bm.free(seq.seq_id)
+            seq.status = SeqStatus.SWAPPED
+            self.swapped.appendleft(seq)   # it was admitted before everything already swapped
+        else:
+            self.bm.free(seq.seq_id)
+            seq.num_computed = 0
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)   # it arrived before everything still waiting
+
+    def _swap_in(self, seq: Sequence) -> None:
+        # Pending copy-on-write copies read their source blocks before the forward; apply them now,
+        # so a block freed this step and reused by the swap-in is not overwritten before it is read.
+        copies = self.bm.take_copies()
+        if copies:
+            self.runner.copy_blocks(copies)
+        self.bm.allocate_fresh(seq.seq_id, seq.token_ids[:seq.num_computed])
+        self.runner.swap_in(seq.swap_data, self.bm.block_table(seq.seq_id))
+        self._drop_swap(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def _drop_swap(self, seq: Sequence) -> None:
+        if seq.swap_data is not None:
+            self.swap_used -= seq.swap_blocks
+            seq.swap_data, seq.swap_blocks = None, 0

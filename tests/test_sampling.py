@@ -1,0 +1,106 @@
+"""Sampling: parameter validation, greedy = argmax, top-k/top-p masks, seeded draws independent of the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minikv.sampling import SamplingParams, apply_top_k_top_p, make_generator, sample
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n must"),
+        ({"top_k": -1}, "top_k"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": ["x"]}, "stop_token_ids"),
+    ],
+)
+def test_bad_params_name_the_fix(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(**kwargs)
+
+
+def test_defaults_match_vllm_and_stop_string_becomes_list():
+    p = SamplingParams(stop="###")
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens) == (1, 1.0, 1.0, 0, 16)
+    assert p.stop == ["###"] and not p.greedy and SamplingParams(temperature=0).greedy
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    assert sample(logits, [SamplingParams(temperature=0)] * 5) == logits.argmax(-1).tolist()
+
+
+def test_one_param_per_row_is_checked():
+    with pytest.raises(ValueError, match="one per row"):
+        sample(torch.zeros(2, 4), [SamplingParams()])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    top_k=st.integers(0, 12),
+    top_p=st.floats(0.05, 1.0),
+)
+def test_top_k_top_p_mask_keeps_exactly_the_nucleus(seed, top_k, top_p):
+    vocab = 10
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(seed))
+    masked = apply_top_k_top_p(logits, torch.tensor([top_k]), torch.tensor([top_p]))[0]
+    kept = set(torch.isfinite(masked).nonzero().flatten().tolist())
+    # The reference, one token at a time: walk tokens by falling probability.
+    order = logits[0].argsort(descending=True, stable=True).tolist()
+    candidates = order[: top_k or vocab]
+    probs = logits[0, candidates].softmax(-1).tolist()
+    expected, mass = set(), 0.0
+    for token, p in zip(candidates, probs):
+        if expected and mass >= top_p:
+            break
+        expected.add(token)
+        mass += p
+    assert kept == expected
+    assert torch.equal(masked[list(kept)], logits[0, list(kept)])
+
+
+def test_top_k_one_is_greedy_even_with_temperature():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=2.0, top_k=1)] * 4
+    assert sample(logits, params) == logits.argmax(-1).tolist()
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    gen = torch.Generator().manual_seed(3)
+    target = torch.randn(1, 100, generator=gen)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=42)
+
+    def run(batch_size: int, position: int, steps: int = 20) -> list[int]:
+        g = make_generator(seeded.seed)
+        out = []
+        for step in range(steps):
+            others = torch.randn(batch_size - 1, 100, generator=torch.Generator().manual_seed(step))
+            logits = torch.cat([others[:position], target, others[position:]])
+            params = [SamplingParams(temperature=1.0, top_k=5)] * (batch_size - 1)
+            params.insert(position, seeded)
+            gens = [None] * (batch_size - 1)
+            gens.insert(position, g)
+            out.append(sample(logits, params, gens)[position])
+        return out
+
+    alone = run(1, 0)
+    assert run(7, 3) == alone and run(4, 0) == alone
+    assert len(set(alone)) > 1  # it really samples
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    logits = probs.log().expand(4000, -1)
+    torch.manual_seed(0)
+    counts = torch.bincount(torch.tensor(sample(logits, [SamplingParams()] * 4000)), minlength=4) / 4000
+    assert torch.allclose(counts, probs, atol=0.03)
