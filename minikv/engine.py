@@ -312,7 +312,7 @@ class LLMEngine:
         self.step_stats.append(StepStats(
             step=len(self.step_stats), time=now, duration=now - t0, num_running=len(sched.running),
             num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
-            blocks_used=self.num_blocks - bm.num_free_blocks, blocks_cached=getattr(bm, "num_cached_blocks", 0),
+            blocks_used=self.num_blocks - bm.num_free_blocks, blocks_cached=len(bm.cache.evictable),
             blocks_free=bm.num_free_blocks, prefill_tokens=out.prefill_tokens, decode_tokens=out.decode_tokens,
             preemptions=len(out.preempted)))
         return changed

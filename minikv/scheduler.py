@@ -240,7 +240,9 @@ class Scheduler:
         copies = self.bm.take_copies()
         if copies:
             self.runner.copy_blocks(copies)
-        self.bm.allocate_fresh(seq.seq_id, seq.token_ids[:seq.num_computed])
+        # Fresh blocks for everything it had computed (open with no tokens: no prefix lookup).
+        self.bm.open(seq.seq_id, [])
+        self.bm.append(seq.seq_id, seq.token_ids[:seq.num_computed])
         self.runner.swap_in(seq.swap_data, self.bm.block_table(seq.seq_id))
         self._drop_swap(seq)
         seq.status = SeqStatus.RUNNING
