@@ -41,7 +41,7 @@ from minikv.grading import NotImplementedYet, call, learner
 from minikv.scheduler import Scheduler
 from minikv.sequence import SeqStatus
 
-MANY = settings(max_examples=300, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
+MANY = settings(max_examples=200, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
 WORKLOADS = settings(max_examples=40, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
 
 
@@ -216,14 +216,17 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [1 + (seed * 131 + i * 17) % 97 for i in range(n)]
 
 
+def _requests(shape):
+    return [(_prompt(i, n), k) for i, (n, k) in enumerate(shape)]
+
+
+# Found by a search over random workloads for ones where both halves of minikv's own policy
+# (watermark admission, most-recent victim) schedule differently from the policy asked for.
 SCENARIOS = [
-    # a long request admitted first, short ones behind it: the long one holds the most blocks
-    _scenario(4, 12, 16, [(_prompt(0, 14), 12), (_prompt(1, 3), 10), (_prompt(2, 3), 10)]),
-    # decodes crossing block boundaries at the same time: the reserve delays admissions
-    _scenario(4, 10, 32, [(_prompt(3, 4), 9), (_prompt(4, 8), 9), (_prompt(5, 4), 9), (_prompt(6, 6), 6)]),
-    # the same under swap preemption and without chunked prefill
-    _scenario(2, 16, 64, [(_prompt(7, 9), 8), (_prompt(8, 3), 8), (_prompt(9, 5), 8), (_prompt(10, 2), 8)],
-              chunked=False, mode="swap"),
+    _scenario(4, 12, 8, _requests([(8, 9), (10, 12), (14, 9), (11, 4)])),
+    _scenario(2, 11, 8, _requests([(11, 6), (4, 6), (6, 10), (8, 6), (3, 7)]), mode="swap"),
+    _scenario(4, 8, 64, _requests([(9, 9), (8, 6), (4, 8), (4, 8)]), chunked=False, mode="swap"),
+    _scenario(2, 14, 64, _requests([(5, 7), (10, 12), (8, 12)]), chunked=False),
 ]
 
 
