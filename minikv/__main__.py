@@ -10,6 +10,7 @@ import sys
 
 BENCHES = {  # name -> module in minikv.bench exposing cli(argv) -> int
     "memory": "Replay a request trace: KV memory utilization, contiguous slabs vs paged blocks.",
+    "engine": "minikv's engine vs transformers generate and its continuous batching, same workload.",
     "kernel": "GPU: the Triton paged-attention kernel's bandwidth vs the card's peak and vs contiguous attention.",
 }
 

@@ -120,16 +120,20 @@ class Scheduler:
                 if n:
                     self._schedule(seq, n)
 
+        # Seats: a request that has not forked yet holds n (its samples appear when its prompt is done).
+        self._seats_used = sum(self._seats(s) for s in self.running)
+
         # 3: swapped sequences come back, oldest first, while they fit with the watermark kept.
         while self.swapped and self._budget > 0:
             seq = self.swapped[0]
-            if len(self.running) + self._seats(seq) > cfg.max_num_seqs:
+            if self._seats_used + self._seats(seq) > cfg.max_num_seqs:
                 break
             headroom = cfg.watermark_blocks if self.running else 0
             if seq.swap_blocks + 1 > bm.num_free_blocks - headroom:
                 break
             self.swapped.popleft()
             self._swap_in(seq)
+            self._seats_used += self._seats(seq)
             n = min(seq.num_to_compute, self._budget)
             if n == seq.num_to_compute or cfg.enable_chunked_prefill:
                 n = self._fit(seq, n)
@@ -139,7 +143,7 @@ class Scheduler:
         # 4: waiting requests, strictly first come first served (none while any is swapped out).
         while self.waiting and not self.swapped and self._budget > 0:
             seq = self.waiting[0]
-            if len(self.running) + self._seats(seq) > cfg.max_num_seqs:
+            if self._seats_used + self._seats(seq) > cfg.max_num_seqs:
                 break
             cached = bm.open(seq.seq_id, seq.token_ids)
             n = seq.num_to_compute - cached
@@ -151,6 +155,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status, seq.num_computed = SeqStatus.RUNNING, cached
             self.running.append(seq)
+            self._seats_used += self._seats(seq)
             seq.request.on_admitted(cached)
             self._schedule(seq, n)
 

@@ -1,0 +1,279 @@
+"""`python -m minikv bench engine`: minikv's engine against transformers, same workload, one run.
+
+The workload (issue 8): 48 requests, seed 7; prompt lengths log-normal around 60 tokens clipped to
+16-256, output lengths log-normal around 32 clipped to 8-128; random token ids after BOS; greedy;
+EOS ignored, so every system generates exactly the tokens each request asks for. Only those are
+counted ("useful tokens/s").
+
+Three systems, each timed from the first request handed over to the last token back:
+
+* ``static``: ``model.generate`` in batches of 16 in arrival order, left padded; each batch runs
+  until its longest request is done, so short requests sit idle in their slots (the waste
+  continuous batching removes).
+* ``continuous``: transformers' own continuous batching manager
+  (``model.continuous_batching_context_manager``), one ``add_request`` per request with its own
+  ``max_new_tokens``.
+* ``minikv``: ``LLM.generate`` with one greedy ``SamplingParams(max_tokens=..., ignore_eos=True)`` each.
+
+Each system first serves two short warm-up requests (untimed). ``static`` is the token-for-token
+reference: it is transformers' plain generate, one forward per step with a dense KV cache.
+On CUDA the bench also times one decode step of minikv's runner at batch 1, 8 and 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+BATCH_STATIC = 16
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int
+
+
+def make_workload(n: int = 48, seed: int = 7, *, vocab_size: int, bos: int,
+                  prompt_median: float = 60, prompt_range=(16, 256),
+                  output_median: float = 32, output_range=(8, 128), sigma: float = 0.6) -> list[Request]:
+    """n requests with log-normal prompt/output lengths (median as given, clipped), random ids after BOS."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def lognormal(median: float, lo: int, hi: int) -> int:
+        z = torch.randn((), generator=gen).item()
+        return int(min(max(round(median * math.exp(sigma * z)), lo), hi))
+
+    low = min(100, vocab_size // 4)  # skip the special tokens at the start of the vocabulary
+    requests = []
+    for _ in range(n):
+        plen = lognormal(prompt_median, *prompt_range)
+        olen = lognormal(output_median, *output_range)
+        ids = torch.randint(low, vocab_size, (plen - 1,), generator=gen).tolist()
+        requests.append(Request([bos] + ids, olen))
+    return requests
+
+
+@contextlib.contextmanager
+def _eos_ignored(model):
+    """transformers fills an unset eos_token_id from the model's generation config: unset it there too."""
+    gc = model.generation_config
+    saved = gc.eos_token_id
+    gc.eos_token_id = None
+    try:
+        yield
+    finally:
+        gc.eos_token_id = saved
+
+
+def _generation_config(model, max_new_tokens: int, pad: int):
+    gc = copy.deepcopy(model.generation_config)
+    gc.update(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=None, eos_token_id=None,
+              pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+    return gc
+
+
+@torch.inference_mode()
+def run_static(model, requests: list[Request], pad: int, batch_size: int = BATCH_STATIC):
+    """transformers generate in static batches: left padded, every batch runs to its longest request."""
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    with _eos_ignored(model):
+        for b in range(0, len(requests), batch_size):
+            batch = requests[b: b + batch_size]
+            width = max(len(r.prompt) for r in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for i, r in enumerate(batch):
+                ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
+                mask[i, width - len(r.prompt):] = 1
+            longest = max(r.max_tokens for r in batch)
+            out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                 generation_config=_generation_config(model, longest, pad))
+            for i, r in enumerate(batch):
+                outputs.append(out[i, width: width + r.max_tokens].tolist())
+    return time.perf_counter() - start, outputs
+
+
+def run_continuous(model, requests: list[Request], pad: int):
+    """transformers' continuous batching manager, one add_request per request with its own max_new_tokens."""
+    results = {}
+    with _eos_ignored(model):
+        gc = _generation_config(model, max(r.max_tokens for r in requests), pad)
+        with model.continuous_batching_context_manager(generation_config=gc, block=True, timeout=30) as manager:
+            start = time.perf_counter()
+            ids = [manager.add_request(r.prompt, request_id=f"r{i}", max_new_tokens=r.max_tokens)
+                   for i, r in enumerate(requests)]
+            while len(results) < len(requests):
+                result = manager.get_result(timeout=60)
+                if result is None:
+                    raise RuntimeError("transformers' continuous batching manager stopped returning results")
+                if result.is_finished():
+                    results[result.request_id] = result
+            seconds = time.perf_counter() - start
+    errors = [r.error for r in results.values() if r.error]
+    if errors:
+        raise RuntimeError(f"transformers' continuous batching failed: {errors[0]}")
+    return seconds, [results[i].generated_tokens[: r.max_tokens] for i, r in zip(ids, requests)]
+
+
+def run_minikv(model, tokenizer, requests: list[Request], **engine_args):
+    from minikv import LLM, SamplingParams
+
+    llm = LLM(model, tokenizer=tokenizer, verbose=False, **engine_args)
+    params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    prompts = [{"prompt_token_ids": r.prompt} for r in requests]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return seconds, [o.outputs[0].token_ids for o in outs], llm
+
+
+def decode_step_times(model, batches=(1, 8, 64), context: int = 512, block_size: int = 16, repeats: int = 20):
+    """Seconds per decode step of minikv's runner at each batch size (each sequence `context` tokens deep)."""
+    from minikv.runner import ModelRunner, SeqStep
+
+    per_seq = math.ceil((context + 1) / block_size)
+    runner = ModelRunner(model, per_seq * max(batches), block_size)
+    times = {}
+    for batch in batches:
+        steps = []
+        for i in range(batch):
+            table = list(range(i * per_seq, (i + 1) * per_seq))
+            slot = table[context // block_size] * block_size + context % block_size
+            steps.append(SeqStep(i, [100 + i], context, table, [slot], True))
+        for _ in range(3):
+            runner.execute(steps)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            runner.execute(steps)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        times[batch] = (time.perf_counter() - start) / repeats
+    return times
+
+
+def plot(results: dict, llm, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, (bars, timeline) = plt.subplots(1, 2, figsize=(12, 4))
+    names = list(results)
+    bars.bar(names, [results[k]["tokens_per_s"] for k in names], color=["#999", "#69c", "#e73"][: len(names)])
+    bars.set_ylabel("useful tokens / s")
+    bars.set_title("throughput, same workload")
+    stats = llm.engine.step_stats
+    steps = [s.step for s in stats]
+    timeline.plot(steps, [s.blocks_used for s in stats], label="blocks used")
+    timeline.plot(steps, [s.num_running for s in stats], label="running")
+    timeline.plot(steps, [s.num_waiting for s in stats], label="waiting")
+    timeline.set_xlabel("engine step")
+    timeline.set_title("minikv occupancy")
+    timeline.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minikv bench engine", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default), tiny-random-llama, or a Hub id")
+    parser.add_argument("--n", type=int, default=48, help="number of requests (default 48)")
+    parser.add_argument("--seed", type=int, default=7, help="workload seed (default 7)")
+    parser.add_argument("--quick", action="store_true", help="a small run: 8 requests, shorter outputs")
+    parser.add_argument("--systems", default="static,continuous,minikv",
+                        help="comma-separated subset of static,continuous,minikv")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    parser.add_argument("--plot", nargs="?", const="bench_engine.png", default=None,
+                        help="save throughput bars and minikv's occupancy timeline (default bench_engine.png)")
+    args = parser.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - {"static", "continuous", "minikv"}
+    if unknown or not systems:
+        parser.error(f"--systems takes static, continuous, minikv; got {args.systems!r}")
+    if args.n < 1:
+        parser.error("--n must be >= 1")
+
+    from minikv.models import load_model
+
+    model, tokenizer = load_model(args.model)
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    config = model.config
+    bos = config.bos_token_id if config.bos_token_id is not None else 1
+    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    n = 8 if args.quick and args.n == 48 else args.n
+    requests = make_workload(n, args.seed, vocab_size=config.vocab_size, bos=bos,
+                             output_median=12 if args.quick else 32, output_range=(4, 32) if args.quick else (8, 128))
+    warmup = make_workload(2, args.seed + 1, vocab_size=config.vocab_size, bos=bos, output_median=4, output_range=(2, 4))
+    useful = sum(r.max_tokens for r in requests)
+    if not args.json:
+        print(f"workload: {n} requests, seed {args.seed}, {sum(len(r.prompt) for r in requests)} prompt tokens, "
+              f"{useful} requested output tokens; model {args.model} on {model.device}, "
+              f"{torch.get_num_threads()} torch threads")
+
+    results, outputs, llm = {}, {}, None
+    for name in systems:
+        if name == "static":
+            run_static(model, warmup, pad)
+            seconds, outputs[name] = run_static(model, requests, pad)
+        elif name == "continuous":
+            run_continuous(model, warmup, pad)
+            seconds, outputs[name] = run_continuous(model, requests, pad)
+        else:
+            run_minikv(model, tokenizer, warmup)
+            seconds, outputs[name], llm = run_minikv(model, tokenizer, requests)
+        results[name] = {"seconds": seconds, "tokens_per_s": useful / seconds}
+        if not args.json:
+            print(f"  {name:<11} {seconds:8.2f} s  {useful / seconds:8.1f} useful tokens/s", flush=True)
+
+    reference = "static" if "static" in outputs else ("continuous" if "continuous" in outputs else None)
+    report = {"model": args.model, "device": str(model.device), "requests": n, "seed": args.seed,
+              "useful_tokens": useful, "systems": results}
+    if "minikv" in results:
+        for other in ("static", "continuous"):
+            if other in results:
+                report[f"minikv_vs_{other}"] = results["minikv"]["tokens_per_s"] / results[other]["tokens_per_s"]
+        if reference:
+            report["identical_to_transformers"] = sum(a == b for a, b in zip(outputs["minikv"], outputs[reference]))
+            report["reference"] = reference
+    if "static" in outputs and "continuous" in outputs:
+        report["continuous_identical_to_static"] = sum(a == b for a, b in zip(outputs["continuous"], outputs["static"]))
+    if model.device.type == "cuda":
+        report["decode_step_seconds"] = decode_step_times(model)
+    if llm is not None:
+        stats = llm.engine.step_stats
+        report["minikv_steps"] = len(stats)
+        report["minikv_mean_batch_tokens"] = sum(s.tokens_scheduled for s in stats) / max(len(stats), 1)
+
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print()
+        print(f"{'system':<12}{'seconds':>10}{'tokens/s':>12}")
+        for name, r in results.items():
+            print(f"{name:<12}{r['seconds']:>10.2f}{r['tokens_per_s']:>12.1f}")
+        for other in ("static", "continuous"):
+            if f"minikv_vs_{other}" in report:
+                print(f"minikv / {other}: {report[f'minikv_vs_{other}']:.2f}x")
+        if "identical_to_transformers" in report:
+            print(f"minikv outputs identical to transformers ({reference}): "
+                  f"{report['identical_to_transformers']} of {n}")
+        if "continuous_identical_to_static" in report:
+            print(f"continuous batching outputs identical to static generate: "
+                  f"{report['continuous_identical_to_static']} of {n}")
+        if "minikv_steps" in report:
+            print(f"minikv: {report['minikv_steps']} engine steps, "
+                  f"{report['minikv_mean_batch_tokens']:.1f} tokens per step on average")
+        for batch, seconds in report.get("decode_step_seconds", {}).items():
+            print(f"decode step at batch {batch}: {seconds * 1e3:.2f} ms")
+    if args.plot and llm is not None:
+        plot(results, llm, args.plot)
+    return 0

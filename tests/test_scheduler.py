@@ -1,0 +1,256 @@
+"""The scheduler and block manager under random traffic, with a model-free runner (minikv.fake_runner).
+
+The fake runner's next token is a hash of the whole sequence read back through the block table,
+so the greedy tokens are known in advance (`reference_tokens`) and any bookkeeping slip (a wrong
+slot, a block reused too early, a missed copy-on-write or swap) shows up as a wrong token.
+
+FCFS, the precise rule enforced: **a request is admitted for the first time only when every
+request that arrived before it has already been admitted (or aborted)**. Head of line: if the
+oldest waiting request does not fit, nobody behind it is admitted; sequences preempted by
+recompute go back to the *front* of the queue. Requests that could never fit are refused when
+added, so the head of the line always fits eventually and nothing stalls.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from minikv.engine import LLMEngine
+from minikv.fake_runner import FakeRunner, reference_tokens
+from minikv.models import tiny_random_llama
+from minikv.sampling import SamplingParams
+from minikv.sequence import SeqStatus
+
+MODEL = tiny_random_llama()
+VOCAB = MODEL.config.vocab_size
+EOS = MODEL.config.eos_token_id
+SHARED = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]   # a "system prompt" several requests start with
+
+
+def make_engine(num_blocks=24, block_size=4, **kw) -> LLMEngine:
+    return LLMEngine(MODEL, None, num_blocks=num_blocks, block_size=block_size, verbose=False,
+                     runner=FakeRunner(num_blocks, block_size, VOCAB), **kw)
+
+
+def expected(prompt, params):
+    eos = None if params.ignore_eos else EOS
+    return reference_tokens(prompt, params.max_tokens, VOCAB, eos)
+
+
+def check_block_accounting(eng: LLMEngine) -> None:
+    """Refcounts exact: each block's count is the number of live block tables holding it."""
+    bm = eng.bm
+    owners = [0] * eng.num_blocks
+    for table in bm.tables.values():
+        for b in table.blocks:
+            owners[b] += 1
+    for b in range(eng.num_blocks):
+        assert bm.allocator.refcount(b) == owners[b], f"block {b}: refcount {bm.allocator.refcount(b)} != {owners[b]} owners"
+    held = sum(1 for c in owners if c)
+    assert bm.num_free_blocks == eng.num_blocks - held
+    sched = eng.scheduler
+    for seq in sched.running:
+        assert seq.status is SeqStatus.RUNNING and bm.num_tokens(seq.seq_id) == seq.num_computed
+    live = {s.seq_id for s in sched.running}
+    assert set(bm.tables) == live, "a sequence outside `running` holds blocks"
+    for seq in list(sched.waiting) + list(sched.swapped):
+        assert seq.seq_id not in bm.tables
+    assert sched.swap_used == sum(s.swap_blocks for s in sched.swapped) <= sched.config.swap_blocks
+    assert len(sched.running) <= sched.config.max_num_seqs
+
+
+class EngineMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.eng = None
+        self.arrived: list[str] = []        # request ids in arrival order
+        self.admitted: list[str] = []       # in order of first admission
+        self.aborted: set[str] = set()
+        self.prompts: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.finished: dict[str, object] = {}
+
+    @precondition(lambda self: self.eng is None)
+    @rule(mode=st.sampled_from(["recompute", "swap"]), chunked=st.booleans(), caching=st.booleans(),
+          budget=st.sampled_from([4, 7, 32]), seqs=st.sampled_from([2, 4, 64]), watermark=st.sampled_from([0, 0.05]),
+          swap_blocks=st.sampled_from([None, "4KiB"]))
+    def start(self, mode, chunked, caching, budget, seqs, watermark, swap_blocks):
+        if not chunked:
+            budget = 64   # a whole sequence must fit in one step without chunking
+        self.eng = make_engine(preemption_mode=mode, enable_chunked_prefill=chunked, enable_prefix_caching=caching,
+                               max_num_batched_tokens=budget, max_num_seqs=seqs, watermark=watermark,
+                               swap_space=swap_blocks)
+
+    @precondition(lambda self: self.eng is not None)
+    @rule(shared=st.booleans(), tail=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=20),
+          max_tokens=st.integers(1, 24), n=st.sampled_from([1, 1, 1, 2, 3]), ignore_eos=st.booleans())
+    def add(self, shared, tail, max_tokens, n, ignore_eos):
+        n = min(n, self.eng.scheduler.config.max_num_seqs)   # more is refused (tested in test_engine)
+        rid = str(len(self.arrived))
+        prompt = (SHARED if shared else []) + tail
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, n=n, ignore_eos=ignore_eos)
+        self.eng.add_request(rid, prompt, params)
+        self.arrived.append(rid)
+        self.prompts[rid] = (prompt, params)
+
+    @precondition(lambda self: self.eng is not None and self.eng.requests)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.eng.requests)))
+        out = self.eng.abort_request(rid)
+        assert out.finished and any(c.finish_reason == "abort" for c in out.outputs)
+        self.aborted.add(rid)
+        self.finished[rid] = out
+
+    @precondition(lambda self: self.eng is not None)
+    @rule(times=st.integers(1, 8))
+    def step(self, times):
+        for _ in range(times):
+            self._one_step()
+
+    def _one_step(self):
+        for out in self.eng.step():
+            if out.finished:
+                self.finished[out.request_id] = out
+        # FCFS: first admissions happen in arrival order, and never skip a waiting request.
+        for rid in self.arrived:
+            req = self.eng.requests.get(rid)
+            if req is not None and req.admitted and rid not in self.admitted:
+                self.admitted.append(rid)
+            elif rid not in self.admitted and rid in self.finished and rid not in self.aborted:
+                self.admitted.append(rid)
+        order = [r for r in self.arrived if r in set(self.admitted)]
+        assert self.admitted == order, "a request was admitted before an earlier one"
+        first_not_admitted = next((r for r in self.arrived if r not in set(self.admitted) and r not in self.aborted), None)
+        if first_not_admitted is not None:
+            later = self.arrived[self.arrived.index(first_not_admitted) + 1:]
+            assert not set(later) & set(self.admitted), "a waiting request was skipped"
+
+    @invariant()
+    def accounting(self):
+        if self.eng is not None:
+            check_block_accounting(self.eng)
+
+    def teardown(self):
+        if self.eng is None:
+            return
+        steps = 0
+        while self.eng.has_unfinished_requests():
+            self._one_step()
+            steps += 1
+            check_block_accounting(self.eng)
+            assert steps < 10_000, "the engine stopped making progress"
+        assert set(self.finished) == set(self.arrived)
+        for rid, out in self.finished.items():
+            prompt, params = self.prompts[rid]
+            assert out.finished
+            for c in out.outputs:
+                assert c.finish_reason in ("stop", "length", "abort")
+                if rid not in self.aborted:
+                    assert c.token_ids == expected(prompt, params)   # greedy: all n samples agree
+                    assert c.finish_reason == ("stop" if c.token_ids[-1] == EOS and not params.ignore_eos else "length")
+            if rid not in self.aborted:
+                assert len(out.outputs) == params.n
+        bm = self.eng.bm
+        assert not bm.tables and bm.num_free_blocks == self.eng.num_blocks   # free or cached-evictable
+        assert self.eng.scheduler.swap_used == 0
+
+
+TestEngineMachine = EngineMachine.TestCase
+TestEngineMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- scripted scenarios -----------------------------------------------------------------------
+
+def run_all(eng, requests):
+    for rid, prompt, params in requests:
+        eng.add_request(rid, prompt, params)
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return outs
+
+
+def pressure_requests(k=24, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    return [(str(i), [rng.randrange(3, VOCAB) for _ in range(rng.randint(4, 24))],
+             SamplingParams(temperature=0, max_tokens=rng.randint(8, 32), ignore_eos=True)) for i in range(k)]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_pressure_same_tokens_as_reference(mode):
+    eng = make_engine(num_blocks=24, block_size=4, preemption_mode=mode)
+    reqs = pressure_requests()
+    outs = run_all(eng, reqs)
+    for rid, prompt, params in reqs:
+        assert outs[rid].outputs[0].token_ids == expected(prompt, params)
+    assert eng.scheduler.num_preemptions > 0
+    print(f"{mode}: {eng.scheduler.num_preemptions} preemptions in {len(eng.step_stats)} steps")
+
+
+def preemptions(watermark):
+    eng = make_engine(num_blocks=48, block_size=4, watermark=watermark, max_num_batched_tokens=64)
+    run_all(eng, pressure_requests(k=48, seed=1))
+    return eng.scheduler.num_preemptions
+
+
+def test_watermark_buys_fewer_preemptions():
+    """Headroom at admission: running sequences can grow without evicting the newest arrival at once."""
+    none, some = preemptions(0.0), preemptions(0.1)
+    print(f"preemptions on the pressure workload: watermark 0 -> {none}, watermark 10% -> {some}")
+    assert some < none
+
+
+def test_decodes_go_first_and_prefill_is_chunked():
+    eng = make_engine(num_blocks=64, block_size=4, max_num_batched_tokens=8)
+    eng.add_request("short", [5, 6, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    eng.step()                                      # "short" prefilled, now decoding
+    eng.add_request("long", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    for _ in range(5):                              # 40 prompt tokens, 7 per step beside 1 decode
+        before = len(eng.requests["short"].seqs[0].token_ids)
+        eng.step()
+        assert len(eng.requests["short"].seqs[0].token_ids) == before + 1   # never stalled by the long prompt
+        s = eng.step_stats[-1]
+        assert s.decode_tokens == 1 and s.prefill_tokens == 7
+    assert eng.requests["long"].seqs[0].num_computed == 35
+
+
+def test_request_too_big_for_pool_is_refused_and_does_not_stall():
+    eng = make_engine(num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match=r"cannot fit even alone.*9 blocks.*pool has 8"):
+        eng.add_request("big", list(range(3, 33)), SamplingParams(max_tokens=4))
+    outs = run_all(eng, [("small", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))])
+    assert outs["small"].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@given(abort_at=st.integers(0, 40))
+@settings(max_examples=25, deadline=None)
+def test_abort_at_any_point_frees_every_block(mode, abort_at):
+    eng = make_engine(num_blocks=16, block_size=4, preemption_mode=mode, max_num_batched_tokens=6)
+    for rid, prompt, params in pressure_requests(k=6, seed=2):
+        eng.add_request(rid, prompt, params)
+    for _ in range(abort_at):
+        if not eng.has_unfinished_requests():
+            break
+        eng.step()
+    for rid in list(eng.requests):
+        assert eng.abort_request(rid).outputs[0].finish_reason in ("abort", "length")
+    assert not eng.has_unfinished_requests() and not eng.scheduler.has_unfinished()
+    assert not eng.bm.tables and eng.bm.num_free_blocks == 16 and eng.scheduler.swap_used == 0
+
+
+def test_n_samples_share_the_prompt_blocks():
+    eng = make_engine(num_blocks=32, block_size=4)
+    eng.add_request("r", list(range(3, 13)), SamplingParams(temperature=0, n=3, max_tokens=6, ignore_eos=True))
+    eng.step()   # prefill, then fork into 3
+    req = eng.requests["r"]
+    assert len(req.seqs) == 3 and eng.bm.num_shared_blocks == 3   # 10 prompt tokens: 3 blocks, each owned by 3
+    outs = run_all(eng, [])
+    assert [c.token_ids for c in req.output.outputs] == [expected(list(range(3, 13)), req.params)] * 3
