@@ -6,6 +6,9 @@ Stage by stage (each a module, each small enough to read in one sitting):
 2. ``contiguous``  one worst-case slab per request (how early servers did it)
 3. ``blocks``, ``paged``, ``attention``   fixed-size blocks, block tables, paged attention
 4. ``kernels/``    a Triton paged-attention decode kernel
+5. ``prefix``      shared prefixes: a hash-chained prefix cache, fork, copy-on-write
+6. ``sequence``, ``scheduler``, ``runner``, ``sampling``, ``engine``   continuous batching:
+   ``from minikv import LLM, SamplingParams``
 """
 
 import os
@@ -20,3 +23,8 @@ __version__ = "0.1.0"
 # switch is set here, at the first import of minikv. With a GPU nothing changes: kernels compile.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from minikv.engine import LLM, LLMEngine  # noqa: E402  (after the Triton switch above)
+from minikv.sampling import SamplingParams  # noqa: E402
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams"]
