@@ -41,6 +41,7 @@ class DemoReport:
     num_params: int
     questions: list[str]
     answers: list[str]
+    prompt_token_ids: list[list[int]]
     prompt_tokens: list[int]
     output_tokens: list[int]
     held_tokens: list[int]          # K/V slots each conversation filled: prompt + output - 1
@@ -108,7 +109,8 @@ def serve(model_name: str = "smollm2-135m", max_tokens: int = 48, num_prompts: i
     stats = engine.bm.stats
     return DemoReport(
         model=model_name, dtype=model.dtype, shape=shape, num_params=model.num_parameters(), questions=questions,
-        answers=[o.outputs[0].text.strip() for o in outs], prompt_tokens=prompt, output_tokens=output,
+        answers=[o.outputs[0].text.strip() for o in outs],
+        prompt_token_ids=[list(o.prompt_token_ids) for o in outs], prompt_tokens=prompt, output_tokens=output,
         held_tokens=held, slot_bytes=pool_bytes // slots,
         formula_bytes=[kv_cache_bytes(shape, t, model.dtype) for t in held],
         pool_bytes=pool_bytes, pool_formula_bytes=kv_cache_bytes(shape, slots, model.dtype),
