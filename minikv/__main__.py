@@ -28,7 +28,7 @@ def cmd_size(args) -> int:
 def cmd_demo(args) -> int:
     from minikv.demo import run_demo
 
-    return run_demo(args.model, args.prompt, args.max_tokens)
+    return run_demo(args.model, args.max_tokens, args.num_prompts, args.kv_cache_memory)
 
 
 def cmd_bench(args) -> int:
@@ -129,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minikv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="serve a real model (SmolLM2, offline) and print its KV bill")
+    p = sub.add_parser("demo", help="the engine serves chat prompts with SmolLM2 (offline); the landlord's report")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--prompt", default="What is a KV cache, in one sentence?")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default 48)")
+    p.add_argument("--num-prompts", type=int, default=8, help="conversations to serve, 1-8 (default 8)")
+    p.add_argument("--kv-cache-memory", default="64MiB", help="the KV pool's size (default 64MiB)")
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("size", help="the KV bill of a model at a context length, and what fits on a GPU")

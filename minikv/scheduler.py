@@ -159,10 +159,7 @@ class Scheduler:
             n = seq.num_to_compute - cached
             if cfg.enable_chunked_prefill:
                 n = min(n, self._budget)
-            # The watermark is headroom for sequences already running; an empty engine needs none
-            # (without that exception, a request needing the whole pool would wait forever).
-            headroom = cfg.watermark_blocks if self.running else 0
-            if n > self._budget or bm.blocks_needed(seq.seq_id, n) > bm.num_free_blocks - headroom:
+            if not self._can_admit(seq, n):
                 bm.free(seq.seq_id)   # give the cache hits back: full cached blocks stay cached
                 break
             self.waiting.popleft()
@@ -215,6 +212,15 @@ class Scheduler:
             self._preempt(victim)
             if victim is seq:
                 return 0
+
+    def _can_admit(self, seq: Sequence, n: int) -> bool:
+        """Admit waiting `seq` with a first chunk of `n` tokens now? (Its cache hits are already
+        opened, so ``bm.blocks_needed(seq.seq_id, n)`` counts only new blocks.) `_can_admit` and
+        `_victim` are the scheduling policy; exercise 06 overrides both in a subclass."""
+        # The watermark is headroom for sequences already running; an empty engine needs none
+        # (without that exception, a request needing the whole pool would wait forever).
+        headroom = self.config.watermark_blocks if self.running else 0
+        return n <= self._budget and self.bm.blocks_needed(seq.seq_id, n) <= self.bm.num_free_blocks - headroom
 
     def _victim(self, seq: Sequence) -> Sequence:
         """The most recently admitted running sequence behind `seq` not yet scheduled; else `seq`."""
