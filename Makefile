@@ -10,7 +10,7 @@ NOTEBOOKS := notebooks solutions exercises
 
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install demo test test-fast lab exercises size bench-memory bench-prefix bench-kernel grade clean
+.PHONY: install demo test test-fast lab exercises size bench-memory bench-prefix bench-engine bench-kernel grade clean
 
 install: $(STAMP)
 
@@ -59,6 +59,9 @@ bench-memory: $(STAMP)
 
 bench-prefix: $(STAMP)
 	$(BIN)/python -m minikv bench prefix
+
+bench-engine: $(STAMP)
+	$(BIN)/python -m minikv bench engine
 
 bench-kernel: $(STAMP)
 	$(BIN)/python -m minikv bench kernel
