@@ -158,7 +158,7 @@ class EngineMachine(RuleBasedStateMachine):
 
 
 TestEngineMachine = EngineMachine.TestCase
-TestEngineMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+TestEngineMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
                                       suppress_health_check=[HealthCheck.too_slow])
 
 
