@@ -131,19 +131,27 @@ def _build_group(steps: list[SeqStep], offsets: list[int], block_size: int, devi
 GROUP_COST_BLOCKS = 16
 
 
-def split_by_length(seq_lens: list[int], block_size: int, max_groups: int = 3) -> list[list[int]]:
+def split_by_length(seq_lens: list[int], block_size: int, q_lens: list[int] | None = None,
+                    max_groups: int = 3) -> list[list[int]]:
     """Indices of sequences split into <= max_groups groups of similar length.
 
-    A group costs (its size x its longest sequence's blocks) gathered blocks plus a fixed
-    GROUP_COST_BLOCKS; sorted by length, the best split points are found by trying them all
-    (at most a few thousand sums for a batch of 64).
+    A group is padded to its longest query run and its longest block run, so it costs
+    size x max query rows x max blocks (the scores it computes, the blocks it gathers), plus a
+    fixed GROUP_COST_BLOCKS for its dozen extra ops per layer. Sorted by length, the best split
+    points are found by trying them all (a few thousand sums for a batch of 64).
     """
-    order = sorted(range(len(seq_lens)), key=lambda i: seq_lens[i])
+    n = len(seq_lens)
+    order = sorted(range(n), key=lambda i: (seq_lens[i], q_lens[i] if q_lens else 1))
     blocks = [blocks_for(seq_lens[i], block_size) for i in order]
-    n = len(order)
+    queries = [q_lens[i] if q_lens else 1 for i in order]
+    # longest query run in sorted positions a..b-1, for every a < b
+    q_max = [[0] * (n + 1) for _ in range(n)]
+    for a in range(n):
+        for b in range(a + 1, n + 1):
+            q_max[a][b] = max(q_max[a][b - 1], queries[b - 1])
 
-    def cost(a: int, b: int) -> int:  # group of sorted positions a..b-1
-        return (b - a) * blocks[b - 1] + GROUP_COST_BLOCKS
+    def cost(a: int, b: int) -> int:
+        return (b - a) * blocks[b - 1] * q_max[a][b] + GROUP_COST_BLOCKS
 
     best = (cost(0, n), [n])
     if max_groups >= 2:
@@ -210,7 +218,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         out = _attend(grouped, k_store, v_store, plan.groups[0], scaling)
     else:
         out = query.new_empty(num_tokens, num_heads, head_dim)
-        for group in plan.groups:  # at most two: decodes and prefill chunks
+        for group in plan.groups:  # at most six: decodes and prefill chunks, each split by length
             out[group.out_index] = _attend(grouped, k_store, v_store, group, scaling)
         for group in plan.kernel_groups:
             q = query[0, :, group.out_index].transpose(0, 1)  # [S, H, D]
@@ -334,8 +342,11 @@ class ModelRunner:
             for part in split_by_length([s.start_pos + 1 for s in decode], self.block_size):
                 groups.append(_build_group([decode[i] for i in part], [decode_at[i] for i in part],
                                            self.block_size, dev, self.kv_heads, g, False, len(ids)))
-        if prefill:
-            groups.append(_build_group(prefill, prefill_at, self.block_size, dev, self.kv_heads, g, False, len(ids)))
+        if prefill:  # prefill chunks pad their queries too: group them by length the same way
+            for part in split_by_length([s.start_pos + len(s.token_ids) for s in prefill], self.block_size,
+                                        [len(s.token_ids) for s in prefill]):
+                groups.append(_build_group([prefill[i] for i in part], [prefill_at[i] for i in part],
+                                           self.block_size, dev, self.kv_heads, g, False, len(ids)))
         plan = StepPlan(self.k_stores, self.v_stores, torch.tensor(slots, device=dev), groups, kernel_groups, len(ids))
         return (plan, torch.tensor([ids], device=dev), torch.tensor([positions], device=dev),
                 torch.tensor(logit_rows, device=dev))

@@ -221,3 +221,16 @@ def test_split_by_length_groups_similar_lengths():
     assert sorted(i for g in groups for i in g) == list(range(len(lens)))
     assert [sorted(lens[i] for i in g) for g in groups] == [[18, 20, 22, 25], [150, 160], [300, 310]]
     assert split_by_length([30] * 10, 16) == [list(range(10))]  # equal lengths: one group
+
+
+def test_bench_engine_quick_smoke(capsys):
+    """`python -m minikv bench engine` end to end on the tiny Llama, a few requests (no timing asserted)."""
+    import json
+
+    from minikv.__main__ import main
+
+    assert main(["bench", "engine", "--model", "tiny-random-llama", "--quick", "--n", "3", "--json", "--profile"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["systems"]) == {"static", "continuous", "minikv"}
+    assert report["identical_to_transformers"] == 3 and report["continuous_identical_to_static"] == 3
+    assert report["profile"]["steps"] > 0

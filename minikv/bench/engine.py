@@ -163,6 +163,78 @@ def decode_step_times(model, batches=(1, 8, 64), context: int = 512, block_size:
     return times
 
 
+class _Timer:
+    """Wall-clock seconds spent inside wrapped functions, by label (the profile of an engine step)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, owner, name: str, label: str):
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
+                self.calls[label] = self.calls.get(label, 0) + 1
+
+        setattr(owner, name, timed)
+        return inner
+
+
+def profile_minikv(model, tokenizer, requests: list[Request]) -> dict:
+    """Where an engine step's time goes: scheduling and bookkeeping, step planning, the model's
+    forward (of which attention), the lm_head, sampling. Measured by wrapping those functions with
+    timers for one run of the workload (the wrappers cost microseconds per call)."""
+    import minikv.engine as engine_module
+    import minikv.runner as runner_module
+    from minikv.engine import LLM
+    from minikv.runner import ModelRunner
+    from minikv.sampling import SamplingParams
+    from transformers import AttentionInterface
+
+    timer = _Timer()
+    restore = [
+        (engine_module.LLMEngine, "step", timer.wrap(engine_module.LLMEngine, "step", "engine step (total)")),
+        (ModelRunner, "execute", timer.wrap(ModelRunner, "execute", "runner.execute")),
+        (ModelRunner, "plan", timer.wrap(ModelRunner, "plan", "plan the step (index tensors)")),
+        (engine_module, "sample", timer.wrap(engine_module, "sample", "sampling")),
+        (model.lm_head, "forward", timer.wrap(model.lm_head, "forward", "lm_head")),
+        (runner_module, "paged_attention_forward",
+         timer.wrap(runner_module, "paged_attention_forward", "attention (write K/V + paged attention)")),
+    ]
+    AttentionInterface.register(runner_module.ATTN_NAME, runner_module.paged_attention_forward)
+    try:
+        llm = LLM(model, tokenizer=tokenizer, verbose=False)
+        params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+        llm.generate([{"prompt_token_ids": r.prompt} for r in requests], params, use_tqdm=False)
+    finally:
+        for owner, name, inner in restore:
+            if isinstance(owner, torch.nn.Module):
+                del owner.forward  # back to the class's method
+            else:
+                setattr(owner, name, inner)
+        AttentionInterface.register(runner_module.ATTN_NAME, runner_module.paged_attention_forward)
+    t = timer.seconds
+    steps = timer.calls.get("engine step (total)", 1)
+    total = t.get("engine step (total)", 0.0)
+    forward = t.get("runner.execute", 0.0) - t.get("plan the step (index tensors)", 0.0)
+    attention = t.get("attention (write K/V + paged attention)", 0.0)
+    lm_head = t.get("lm_head", 0.0)
+    rows = {
+        "scheduling, block manager, bookkeeping": total - t.get("runner.execute", 0.0) - t.get("sampling", 0.0),
+        "plan the step (index tensors)": t.get("plan the step (index tensors)", 0.0),
+        "model forward without attention and lm_head": forward - attention - lm_head,
+        "attention (write K/V + paged attention)": attention,
+        "lm_head (last token of each sampling sequence)": lm_head,
+        "sampling": t.get("sampling", 0.0),
+    }
+    return {"steps": steps, "seconds": total, "ms_per_step": {k: 1e3 * v / steps for k, v in rows.items()}}
+
+
 def plot(results: dict, llm, path: str) -> None:
     import matplotlib.pyplot as plt
 
@@ -193,6 +265,8 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default="static,continuous,minikv",
                         help="comma-separated subset of static,continuous,minikv")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    parser.add_argument("--profile", action="store_true",
+                        help="also run minikv once more with timers and print where a step's time goes")
     parser.add_argument("--plot", nargs="?", const="bench_engine.png", default=None,
                         help="save throughput bars and minikv's occupancy timeline (default bench_engine.png)")
     args = parser.parse_args(argv)
@@ -254,6 +328,9 @@ def cli(argv: list[str] | None = None) -> int:
         report["minikv_steps"] = len(stats)
         report["minikv_mean_batch_tokens"] = sum(s.tokens_scheduled for s in stats) / max(len(stats), 1)
 
+    if args.profile:
+        report["profile"] = profile_minikv(model, tokenizer, requests)
+
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -275,6 +352,11 @@ def cli(argv: list[str] | None = None) -> int:
                   f"{report['minikv_mean_batch_tokens']:.1f} tokens per step on average")
         for batch, seconds in report.get("decode_step_seconds", {}).items():
             print(f"decode step at batch {batch}: {seconds * 1e3:.2f} ms")
+        if "profile" in report:
+            prof = report["profile"]
+            print(f"\nprofile of minikv: {prof['steps']} steps, {prof['seconds']:.2f} s in engine steps; ms per step:")
+            for what, ms in prof["ms_per_step"].items():
+                print(f"  {what:<48}{ms:8.2f}")
     if args.plot and llm is not None:
         plot(results, llm, args.plot)
     return 0
