@@ -21,6 +21,7 @@ ways to run them:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import re
@@ -228,6 +229,36 @@ def score_line(results: list[CheckResult]) -> str:
     passed = sum(r.passed for r in results)
     return f"score: {passed}/{len(results)} ({100 * passed // max(len(results), 1)}%)"
 
+
+
+# --- helpers for check modules -----------------------------------------------------------
+
+def run_hypothesis(test: Callable[[], None],
+                   hint: str = "does your code keep state between calls (a list at class level, a global)?") -> None:
+    """Run a hypothesis test; a flaky failure (different on a rerun of the same input) becomes its
+    first message plus ``hint``, instead of hypothesis' own report."""
+    from hypothesis import errors
+
+    try:
+        test()
+    except (errors.Flaky, errors.FlakyFailure) as err:  # FlakyFailure: an ExceptionGroup
+        inner = getattr(err, "exceptions", None) or [err]
+        raise AssertionError(f"{inner[0]} -- and a rerun of the same input behaved differently: {hint}") from None
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Run torch on one thread, then restore. Checks' tensors (and a 135M model's decode steps) are
+    too small to gain from more, and on a busy machine (graders run side by side) two threads
+    contending for two cores made them 5-100x slower in our measurements."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 # --- notebooks ---------------------------------------------------------------------------
 

@@ -32,18 +32,16 @@ the kernel) are forbidden in them (`FORBIDDEN`). Checks hand the learner's table
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import random
 
 import torch
-from hypothesis import errors as hypothesis_errors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.attention import paged_attention_ref, random_paged_inputs
 from minikv.blocks import BlockAllocator, BlockTable, blocks_for
-from minikv.grading import NotImplementedYet, call, learner, peek
+from minikv.grading import NotImplementedYet, call, learner, one_torch_thread, peek, run_hypothesis
 
 GRADED = ["MyBlockAllocator", "MyBlockTable", "my_paged_attention"]
 FORBIDDEN = ["minikv.blocks.BlockAllocator", "minikv.blocks.BlockTable", "minikv.attention.paged_attention_ref",
@@ -52,17 +50,9 @@ FORBIDDEN = ["minikv.blocks.BlockAllocator", "minikv.blocks.BlockTable", "minikv
 MANY = settings(max_examples=100, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
 OUT_OF_BLOCKS_ERRORS = (RuntimeError, MemoryError)  # minikv's OutOfBlocks is a RuntimeError
 TABLE_BLOCK_SIZES = (1, 2, 3, 5, 7, 16)
+CLASS_STATE = "does your class keep state outside its instance (a list defined at class level, a global)?"  # the likely cause of a flaky failure
 
 
-def _hypothesis(test) -> None:
-    """Run a hypothesis test; a flaky failure (different on a rerun) becomes its first message."""
-    try:
-        test()
-    except (hypothesis_errors.Flaky, hypothesis_errors.FlakyFailure) as err:  # FlakyFailure: an ExceptionGroup
-        inner = getattr(err, "exceptions", None) or [err]
-        raise AssertionError(
-            f"{inner[0]} -- and a rerun of the same operations behaved differently: does your class keep "
-            "state outside its instance (a list defined at class level, a global)?") from None
 
 
 def _outcome(fn):
@@ -84,17 +74,6 @@ def _ints(values) -> list[int]:
     return [int(v) for v in values]
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """Run torch on one thread, then restore. These checks' tensors (and a 135M model's decode
-    steps) are too small to gain from more, and on a busy machine (graders often run side by side)
-    two threads contending for two cores made them 5-100x slower in our measurements."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # ---- (a) the allocator ----------------------------------------------------------------------
@@ -206,7 +185,7 @@ def _allocator_cls(ns):
 def check_allocator_matches_minikv_on_random_operations(ns):
     cls = _allocator_cls(ns)
     replay_allocator(cls, 2, [("allocate",), ("incref", 0), ("free", 0)])  # a stub stops here, quickly
-    _hypothesis(MANY(given(allocator_programs())(lambda prog: replay_allocator(cls, *prog))))
+    run_hypothesis(MANY(given(allocator_programs())(lambda prog: replay_allocator(cls, *prog))), CLASS_STATE)
 
 
 def _expect_raises(setup: str, fn, types, what: str) -> None:
@@ -437,14 +416,14 @@ def check_block_table_slots(ns):
                                   ("append_tokens", 0, 6), ("slots_for", 0, [0, 8, 14]), ("free", 1)])
     for bs in TABLE_BLOCK_SIZES:  # one token at a time, across several block boundaries
         replay_tables(cls, bs, 64, 2, [("append_tokens", t % 2, 1) for t in range(4 * bs + 3)] + [("free", 0)])
-    _hypothesis(MANY(given(table_programs(small_pool=False))(lambda prog: replay_tables(cls, *prog))))
+    run_hypothesis(MANY(given(table_programs(small_pool=False))(lambda prog: replay_tables(cls, *prog))), CLASS_STATE)
 
 
 def check_block_table_all_or_nothing(ns):
     cls = _table_cls(ns)
     # 3 blocks of 4; the first append takes 2, the second needs 2 but only 1 is free: it must take none.
     replay_tables(cls, 4, 3, 2, [("append_tokens", 0, 5), ("append_tokens", 1, 6), ("append_tokens", 1, 4)])
-    _hypothesis(MANY(given(table_programs(small_pool=True))(lambda prog: replay_tables(cls, *prog))))
+    run_hypothesis(MANY(given(table_programs(small_pool=True))(lambda prog: replay_tables(cls, *prog))), CLASS_STATE)
 
 
 def check_block_table_sliding_window(ns):
@@ -454,8 +433,8 @@ def check_block_table_sliding_window(ns):
                                   ("slots_for", 0, [3]), ("append_tokens", 0, 7), ("free", 0)], window=6)
     for bs in (1, 3, 16):  # one token at a time, as decoding does
         replay_tables(cls, bs, 64, 1, [("append_tokens", 0, 1)] * (3 * bs + 2), window=bs + 1)
-    _hypothesis(MANY(given(table_programs(small_pool=False, windows=True))(lambda prog: replay_tables(cls, *prog))))
-    _hypothesis(MANY(given(table_programs(small_pool=True, windows=True))(lambda prog: replay_tables(cls, *prog))))
+    run_hypothesis(MANY(given(table_programs(small_pool=False, windows=True))(lambda prog: replay_tables(cls, *prog))), CLASS_STATE)
+    run_hypothesis(MANY(given(table_programs(small_pool=True, windows=True))(lambda prog: replay_tables(cls, *prog))), CLASS_STATE)
 
 
 # ---- (c) paged attention ------------------------------------------------------------------
@@ -511,7 +490,7 @@ def compare_attention(fn, lens, num_heads, num_kv_heads, head_dim, block_size, s
             raise AssertionError(f"my_paged_attention changed its input {name} in place, for {shape}")
 
 
-@_one_thread()
+@one_torch_thread()
 def check_paged_attention_multi_head(ns):
     fn = learner(ns, "my_paged_attention")
     compare_attention(fn, [5, 1, 9], 2, 2, 8, 4)
@@ -519,7 +498,7 @@ def check_paged_attention_multi_head(ns):
         compare_attention(fn, *case, seed=seed)
 
 
-@_one_thread()
+@one_torch_thread()
 def check_paged_attention_grouped_query(ns):
     fn = learner(ns, "my_paged_attention")
     compare_attention(fn, [5, 1, 9], 6, 2, 8, 4)  # 3 query heads per KV head
@@ -560,7 +539,7 @@ def _real_model():
     return model, name, ids, mask, expected
 
 
-@_one_thread()
+@one_torch_thread()
 def check_real_model_with_your_allocator_and_table(ns):
     from minikv.paged import PagedKVCache
 

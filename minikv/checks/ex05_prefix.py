@@ -25,8 +25,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minikv.blocks import OutOfBlocks, blocks_for
-from minikv.checks.ex03_paged import MANY, OUT_OF_BLOCKS_ERRORS, _describe, _hypothesis, _one_thread, _outcome
-from minikv.grading import NotImplementedYet, call, learner
+from minikv.checks.ex03_paged import CLASS_STATE, MANY, OUT_OF_BLOCKS_ERRORS, _describe, _outcome
+from minikv.grading import NotImplementedYet, call, learner, one_torch_thread, run_hypothesis
 from minikv.prefix import BlockManager
 
 
@@ -231,13 +231,13 @@ def programs(draw, small_pool: bool):
 def check_matches_minikv_on_random_operations(ns):
     cls = _manager_cls(ns)
     replay(cls, 8, 2, [("admit", "a", [1, 2, 3])])  # a stub stops here, quickly
-    _hypothesis(MANY(given(programs(small_pool=False))(lambda p: replay(cls, *p))))
+    run_hypothesis(MANY(given(programs(small_pool=False))(lambda p: replay(cls, *p))), CLASS_STATE)
 
 
 def check_small_pool_all_or_nothing_and_eviction(ns):
     cls = _manager_cls(ns)
     replay(cls, 2, 2, [("admit", "a", [1, 2, 3, 4, 5])])
-    _hypothesis(MANY(given(programs(small_pool=True))(lambda p: replay(cls, *p))))
+    run_hypothesis(MANY(given(programs(small_pool=True))(lambda p: replay(cls, *p))), CLASS_STATE)
 
 
 # ---- (d) the real model ----------------------------------------------------------------------------
@@ -321,7 +321,7 @@ def _real_model():
     return model, name, ids, kw, expected
 
 
-@_one_thread()
+@one_torch_thread()
 def check_real_model_beams_with_your_manager(ns):
     from minikv.paged import PagedKVCache
 

@@ -28,21 +28,21 @@ methods (`_can_admit`, `_victim`), calling them with plain ints and lists only. 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
-from hypothesis import errors as hypothesis_errors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.blocks import blocks_for
-from minikv.grading import NotImplementedYet, call, learner
+from minikv.grading import NotImplementedYet, call, learner, one_torch_thread, run_hypothesis
 from minikv.scheduler import Scheduler
 from minikv.sequence import SeqStatus
 
 MANY = settings(max_examples=200, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
 WORKLOADS = settings(max_examples=40, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
+
+FUNCTION_STATE = "does your function keep state between calls?"  # the likely cause of a flaky failure
 
 
 # ---- the reference policy (what the exercise asks for) --------------------------------------
@@ -113,24 +113,8 @@ def use_policy(engine, admit, victim) -> PolicyScheduler:
 
 # ---- helpers --------------------------------------------------------------------------------
 
-def _hypothesis(test) -> None:
-    try:
-        test()
-    except (hypothesis_errors.Flaky, hypothesis_errors.FlakyFailure) as err:
-        inner = getattr(err, "exceptions", None) or [err]
-        raise AssertionError(f"{inner[0]} -- and a rerun of the same input behaved differently: does your "
-                             "function keep state between calls?") from None
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """One torch thread: a 135M model's small steps gain nothing from two contending threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=1)
@@ -282,7 +266,7 @@ def check_admit_against_the_reference(ns):
         want, got = ref_admit(*args), call(admit, *args)
         assert got == want, f"my_admit{args} returned {got!r}, expected {want}"
 
-    _hypothesis(test)
+    run_hypothesis(test, FUNCTION_STATE)
 
 
 def check_victim_on_hand_made_cases(ns):
@@ -304,7 +288,7 @@ def check_victim_against_the_reference(ns):
         want, got = ref_victim(*args), call(victim, *args)
         assert got == want, f"my_victim{args} returned {got!r}, expected {want}"
 
-    _hypothesis(test)
+    run_hypothesis(test, FUNCTION_STATE)
 
 
 def check_scripted_scenarios_with_a_fake_runner(ns):
@@ -325,7 +309,7 @@ def check_random_workloads_with_a_fake_runner(ns):
     def test(w):
         compare_on(w, admit, victim)
 
-    _hypothesis(test)
+    run_hypothesis(test, FUNCTION_STATE)
 
 
 SMOL_PROMPTS = ["The capital of France is", "A block table maps", "Once upon a time, in a small village by the sea,",
@@ -346,7 +330,7 @@ def smollm2_under_pressure(admit, victim, max_tokens: int = 10, num_blocks: int 
     except Exception:  # noqa: BLE001 - not installed offline: the tiny random Llama still tests the path
         model, name = _tiny_model(), "the tiny random Llama"
         prompts = [[1 + (7 * i + 3 * j) % 200 for j in range(4 + 3 * i)] for i in range(len(SMOL_PROMPTS))]
-    with _one_thread(), torch.inference_mode():
+    with one_torch_thread(), torch.inference_mode():
         gold = []
         for p in prompts:
             ids = torch.tensor([p], device=model.device)
