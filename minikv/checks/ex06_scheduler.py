@@ -207,7 +207,7 @@ def _requests(shape):
 # Found by a search over random workloads for ones where both halves of minikv's own policy
 # (watermark admission, most-recent victim) schedule differently from the policy asked for.
 SCENARIOS = [
-    _scenario(4, 12, 8, _requests([(8, 9), (10, 12), (14, 9), (11, 4)])),
+    _scenario(4, 11, 8, _requests([(13, 7), (12, 11), (11, 12), (8, 4)])),
     _scenario(2, 11, 8, _requests([(11, 6), (4, 6), (6, 10), (8, 6), (3, 7)]), mode="swap"),
     _scenario(4, 8, 64, _requests([(9, 9), (8, 6), (4, 8), (4, 8)]), chunked=False, mode="swap"),
     _scenario(2, 14, 64, _requests([(5, 7), (10, 12), (8, 12)]), chunked=False),
