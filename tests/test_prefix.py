@@ -113,8 +113,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=60, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])  # 200 x 60 = 12,000 random operations
+    max_examples=250, stateful_step_count=60, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])  # about 12,000 operations (counted: 250 runs of up to 60)
 test_block_manager_invariants = BlockManagerMachine.TestCase
 
 
