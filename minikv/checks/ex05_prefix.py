@@ -29,6 +29,13 @@ from minikv.checks.ex03_paged import CLASS_STATE, MANY, OUT_OF_BLOCKS_ERRORS, _d
 from minikv.grading import NotImplementedYet, call, learner, one_torch_thread, run_hypothesis
 from minikv.prefix import BlockManager
 
+# Delegation (see minikv.delegation): the graded names may not be, call or subclass minikv's own
+# prefix cache or this module's reference. minikv.blocks (OutOfBlocks, blocks_for, the stage-3
+# allocator and table) stays allowed: the exercise is the hash chain, the lookup and copy-on-write.
+GRADED = ["chain_hash", "MyBlockManager"]
+FORBIDDEN = ["minikv.prefix.BlockManager", "minikv.prefix.PrefixCache", "minikv.prefix.SeqTable",
+             "minikv.prefix.block_hash", "minikv.checks.ex05_prefix.Reference"]
+
 
 class Reference:
     """minikv's BlockManager behind the exercise's interface (what the learner's class must match)."""

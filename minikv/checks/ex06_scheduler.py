@@ -42,6 +42,10 @@ from minikv.sequence import SeqStatus
 MANY = settings(max_examples=200, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
 WORKLOADS = settings(max_examples=40, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
 
+# Delegation (see minikv.delegation): the graded functions may not call the reference functions
+# below. The notebook imports SCENARIOS, run_fake and use_policy from here: those stay allowed.
+GRADED = ["my_admit", "my_victim"]
+FORBIDDEN = ["minikv.checks.ex06_scheduler.ref_admit", "minikv.checks.ex06_scheduler.ref_victim"]
 FUNCTION_STATE = "does your function keep state between calls?"  # the likely cause of a flaky failure
 
 
