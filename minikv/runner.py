@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from minikv.blocks import blocks_for
+from minikv.contiguous import cache_shape
 
 __all__ = ["ATTN_NAME", "ModelRunner", "SeqStep", "StepPlan", "paged_attention_forward"]
 
@@ -284,11 +285,10 @@ class ModelRunner:
 
     @staticmethod
     def _kv_shape(config) -> tuple[int, int, int]:
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return config.num_hidden_layers, kv_heads, head_dim
+        # Stage 1's ModelShape, through the caches' check: a sliding-window model is refused, since
+        # attending over every cached token would silently compute something else.
+        shape = cache_shape(config)
+        return shape.num_layers, shape.num_kv_heads, shape.head_dim
 
     @staticmethod
     def bytes_per_block_for(config, block_size: int, dtype: torch.dtype) -> int:
