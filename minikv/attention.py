@@ -1,4 +1,4 @@
-"""Paged attention for one decode step: the readable PyTorch reference, and the dispatch to the kernel.
+"""Paged attention for one decode step: the readable PyTorch reference and its calling convention.
 
 During decoding every sequence adds one token, whose query must attend to all the keys and
 values the sequence has cached so far. With a paged cache those keys and values are not in
@@ -13,10 +13,10 @@ This module holds:
   and meant to be read; the Triton kernel (``kernels/paged_attention.py``) must agree with it.
 * ``gather_kv``: the gathering step on its own, so tests and notebooks can compare against
   any contiguous attention (e.g. ``torch.nn.functional.scaled_dot_product_attention``).
-* ``paged_attention``: what the engine calls. It uses the Triton kernel for CUDA tensors and
-  the reference otherwise (or the kernel under Triton's CPU interpreter with ``use_kernel=True``).
 * ``check_paged_attention_inputs``: the single place where the calling convention is checked,
   shared by the reference and the kernel wrapper, so both reject bad input with the same message.
+  This module imports no kernel: ``kernels/paged_attention.py`` imports the check from here, and
+  ``minikv.dispatch`` is the one place that chooses between the reference and the kernel.
 * ``random_paged_inputs``: a random decode batch laid out the way a real pool ends up, blocks
   scattered and table tails full of garbage, for tests and notebooks.
 
@@ -36,7 +36,6 @@ case ``num_kv_heads == 1``; classic multi-head attention is ``num_kv_heads == nu
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -48,7 +47,6 @@ __all__ = [
     "PagedInputs",
     "check_paged_attention_inputs",
     "gather_kv",
-    "paged_attention",
     "paged_attention_ref",
     "random_paged_inputs",
 ]
@@ -195,42 +193,6 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[i] = torch.einsum("ht,thd->hd", probs, values).to(query.dtype)
     return out
-
-
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def paged_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    use_kernel: bool | None = None,
-) -> torch.Tensor:
-    """Paged attention for one decode step, by the fastest correct route available.
-
-    ``use_kernel=None`` picks the compiled Triton kernel for CUDA tensors (when Triton is
-    installed) and the PyTorch reference otherwise. ``use_kernel=True`` forces the kernel, which
-    on the CPU runs under Triton's interpreter: exact but slow, useful to check it, never to
-    time it. ``use_kernel=False`` forces the reference.
-    """
-    if use_kernel is None:
-        use_kernel = query.is_cuda and _triton_installed()
-    if not use_kernel:
-        return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale)
-    if not _triton_installed():
-        raise ImportError(
-            "use_kernel=True needs Triton: pip install 'triton>=3.0' (or pass use_kernel=None to use the reference)"
-        )
-    # Imported here, not at the top: importing the kernel module imports Triton and, without a
-    # GPU, switches it to interpreter mode; code that only wants the reference should not pay that.
-    from kernels.paged_attention import paged_attention as paged_attention_kernel
-
-    return paged_attention_kernel(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
 
 class PagedInputs(NamedTuple):

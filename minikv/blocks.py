@@ -21,6 +21,8 @@ import operator
 from collections import deque
 from collections.abc import Iterable
 
+from minikv.validation import check_block_size, check_num_blocks
+
 
 def blocks_for(tokens: int, block_size: int) -> int:
     """How many blocks hold `tokens` tokens: the last one may be partly empty (ceiling division)."""
@@ -54,8 +56,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int):
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        check_num_blocks(num_blocks)
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._refcount = [0] * num_blocks  # 0 <=> the block is on the free list, or kept aside
@@ -146,8 +147,7 @@ class BlockTable:
     """One sequence's logical -> physical block list, grown on demand from a shared allocator."""
 
     def __init__(self, block_size: int, allocator: BlockAllocator):
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        check_block_size(block_size)
         self.block_size = block_size
         self.allocator = allocator
         self.blocks: list[int] = []  # blocks[i] holds tokens i*block_size .. (i+1)*block_size-1

@@ -21,26 +21,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from minikv.models import default_device
-from minikv.sizing import ModelShape
-
-
-def cache_shape(config) -> ModelShape:
-    """Stage 1's ModelShape of a config, for a cache that hands every cached token to attention.
-
-    A sliding-window or chunked layer must see only its window, so caching and returning every
-    token would silently compute something else: such models are refused here.
-    """
-    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) or (
-        not layer_types and (getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_chunk_size", None))
-    ):
-        raise ValueError(
-            "minikv's caches support full-attention models only (every layer attends to every "
-            f"earlier token); this config has layer types {sorted(set(layer_types)) or 'with a sliding window'}. "
-            "Use transformers' DynamicCache for it."
-        )
-    return ModelShape.from_config(cfg)
+from minikv.sizing import cache_shape
+from minikv.validation import check_int
 
 
 def resolve_dtype_device(config, dtype, device) -> tuple[torch.dtype, torch.device]:
@@ -168,9 +150,8 @@ class ContiguousKVCache(Cache):
 
     def __init__(self, config, max_batch_size: int, max_seq_len: int,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
-        for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_int("max_batch_size", max_batch_size, 1, "sequences the cache holds at once")
+        check_int("max_seq_len", max_seq_len, 1, "the slab's length in tokens: the longest sequence it holds")
         self.shape = cache_shape(config)
         dtype, device = resolve_dtype_device(config, dtype, device)
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len

@@ -128,11 +128,12 @@ def print_report(r: DemoReport) -> None:
     for q, a in zip(r.questions, r.answers):
         print(f"\nQ: {q}\nA: {a}")
     n = len(r.questions)
-    total_measured, total_formula = sum(r.measured_bytes), sum(r.formula_bytes)
+    total_measured = sum(r.measured_bytes)
     rows = [
         ("conversations", f"{n}, one shared system prompt; {sum(r.prompt_tokens)} prompt + "
                           f"{sum(r.output_tokens)} generated tokens"),
-        ("KV per token (pool tensors)", f"{fmt_bytes(r.slot_bytes)} ({str(r.dtype).removeprefix('torch.')}, K and V, all layers)"),
+        ("KV per token (pool tensors)",
+         f"{fmt_bytes(r.slot_bytes)} ({str(r.dtype).removeprefix('torch.')}, K and V, all layers)"),
         ("KV bill, measured", f"{fmt_bytes(total_measured)} in {sum(r.held_tokens)} token slots "
                               f"({'matches' if r.measured_bytes == r.formula_bytes else 'DIFFERS FROM'} the formula, "
                               f"conversation by conversation)"),
@@ -140,7 +141,8 @@ def print_report(r: DemoReport) -> None:
                      f"({'matches' if r.pool_bytes == r.pool_formula_bytes else 'DIFFERS FROM'} the formula)"),
         ("blocks used at the peak", f"{r.peak_blocks_used} of {r.num_blocks}; without sharing the conversations "
                                     f"would hold {r.blocks_without_sharing}"),
-        ("blocks cached at the end", f"{r.blocks_cached_at_end} (free, still holding prefixes a next request can reuse)"),
+        ("blocks cached at the end",
+         f"{r.blocks_cached_at_end} (free, still holding prefixes a next request can reuse)"),
         ("prefix hits", f"{r.prefix_tokens_hit} of {r.prefix_tokens_queried} prompt tokens served from cached blocks "
                         f"({r.prefix_tokens_hit / max(r.prefix_tokens_queried, 1):.0%})"),
         ("preemptions", str(r.preemptions)),

@@ -25,6 +25,9 @@ point at the same block, and what happens when one of them writes:
 
 Nothing here touches tensors. ``BlockManager`` is what the engine (stage 6) and
 ``PagedKVCache`` (for ``generate``'s beam search) call; blocks are plain ints, as in stage 3.
+What they call is the `BlockManagerProtocol`: ``minikv.paged.TableManager`` (stage 3's
+allocator and tables, no sharing) and exercise 05's managers (behind its checks' adapter) meet
+it too, so any of them can run under ``PagedKVCache(..., manager=...)``.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from minikv.blocks import BlockAllocator, BlockTable, OutOfBlocks
+from minikv.validation import check_block_size, check_num_blocks
 
 
 def block_hash(parent: int | None, tokens: Sequence[int], extra: object = None) -> int:
@@ -168,6 +173,43 @@ class SeqTable(BlockTable):
         self.chain_broken = False  # a collision or an unknown token: later blocks are not cached
 
 
+@runtime_checkable
+class BlockManagerProtocol(Protocol):
+    """What the scheduler and ``PagedKVCache`` ask of a block manager. Sequences are named by any
+    hashable id; blocks are ints in ``range(num_blocks)``; a slot is ``block * block_size + offset``."""
+
+    num_blocks: int
+    block_size: int
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new sequence could take now (cached blocks nobody owns included)."""
+
+    def open(self, seq_id, prompt_token_ids: Sequence[int], extra_key: object = None) -> int:
+        """Start a sequence; returns how many leading prompt tokens its cached blocks already hold."""
+
+    def blocks_needed(self, seq_id, n: int) -> int:
+        """New blocks that appending `n` tokens would take (a copy-on-write copy included)."""
+
+    def append(self, seq_id, token_ids: Sequence[int] | int) -> list[int]:
+        """Write tokens (or just a count) after the sequence's end; each one's slot. All or nothing."""
+
+    def block_table(self, seq_id) -> list[int]:
+        """The sequence's physical blocks, in token order."""
+
+    def num_tokens(self, seq_id) -> int:
+        """Tokens the sequence has written."""
+
+    def fork(self, parent_id, child_id) -> None:
+        """A new sequence sharing every block of `parent_id`."""
+
+    def free(self, seq_id) -> None:
+        """Drop a sequence and give its blocks back."""
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies to apply to every layer's pool before the next forward."""
+
+
 @dataclass
 class BlockManager:
     """Per-sequence block tables over one shared, prefix-caching pool. Sequences are named by
@@ -183,8 +225,8 @@ class BlockManager:
     copies: list[tuple[int, int]] = field(default_factory=list, init=False)
 
     def __post_init__(self):
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {self.block_size!r}")
+        check_num_blocks(self.num_blocks)
+        check_block_size(self.block_size)
         self.allocator = self.allocator or BlockAllocator(self.num_blocks)
         self.cache = PrefixCache(self.allocator, self.enable_prefix_caching)
         self.stats = self.cache.stats

@@ -53,7 +53,7 @@ class Sequence:
     finish_reason: str | None = None         # "stop" | "length" | "abort"
     generator: torch.Generator | None = None  # this sample's own RNG when the request has a seed
     text: str = ""                           # detokenized output (stop string excluded)
-    # incremental detokenization state (see Detokenizer)
+    # incremental detokenization state (see minikv.detokenizer.Detokenizer)
     prefix_offset: int = 0
     read_offset: int = 0
     swap_data: object = None                 # the CPU copy of its blocks while SWAPPED

@@ -171,6 +171,33 @@ def kv_bytes_per_token(shape_or_cfg: Any, dtype: str | torch.dtype = "float16") 
     return math.ceil(2 * s.num_layers * s.num_kv_heads * s.head_dim * dtype_bytes(dtype))
 
 
+def kv_bytes_per_block(shape_or_cfg: Any, block_size: int, dtype: str | torch.dtype = "float16") -> int:
+    """What one block id of a paged pool holds: K and V of `block_size` tokens, every layer.
+
+    The one rule for it: the engine sizes its pool with it, the model runner and ``PagedKVCache``
+    report it."""
+    return kv_bytes_per_token(shape_or_cfg, dtype) * block_size
+
+
+def cache_shape(config) -> ModelShape:
+    """The ModelShape of a config, for a cache that hands every cached token to attention.
+
+    A sliding-window or chunked layer must see only its window, so caching and returning every
+    token would silently compute something else: such models are refused here (stages 2, 3 and
+    the engine's runner all build their caches from this)."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types) or (
+        not layer_types and (getattr(cfg, "sliding_window", None) or getattr(cfg, "attention_chunk_size", None))
+    ):
+        raise ValueError(
+            "minikv's caches support full-attention models only (every layer attends to every "
+            f"earlier token); this config has layer types {sorted(set(layer_types)) or 'with a sliding window'}. "
+            "Use transformers' DynamicCache for it."
+        )
+    return ModelShape.from_config(cfg)
+
+
 def kv_cache_bytes(shape_or_cfg: Any, num_tokens: int, dtype: str | torch.dtype = "float16") -> int:
     """Bytes of KV cache for `num_tokens` tokens (one long sequence or many short ones alike)."""
     if not isinstance(num_tokens, int) or num_tokens < 0:
@@ -327,8 +354,9 @@ class KVBill:
         if self.weight_bytes is not None:
             rows.append(("weights", fmt_bytes(self.weight_bytes)))
         if self.gpu is not None:
+            cap = self.gpu.memory_bytes * self.utilization_cap
             rows.append(("GPU", f"{self.gpu.name} ({fmt_bytes(self.gpu.memory_bytes)}), the process may use "
-                               f"{self.utilization_cap:.0%}: {fmt_bytes(self.gpu.memory_bytes * self.utilization_cap)}"))
+                               f"{self.utilization_cap:.0%}: {fmt_bytes(cap)}"))
             rows.append(("activations + runtime", "not modeled (the config lacks hidden, inner or vocabulary "
                                                   "size): the budget below overstates" if self.activation_bytes is None
                          else f"{fmt_bytes(self.activation_bytes)} (estimate; a server measures it)"))

@@ -15,10 +15,10 @@ from minikv.attention import (
     GARBAGE_BLOCK_NUMBERS,
     PagedInputs,
     gather_kv,
-    paged_attention,
     paged_attention_ref,
     random_paged_inputs,
 )
+from minikv.dispatch import decode_attention
 
 
 def plain_attention(inputs: PagedInputs, scale: float) -> torch.Tensor:
@@ -116,8 +116,8 @@ def test_entries_past_the_end_are_never_used() -> None:
 def test_dispatch_on_cpu_uses_the_reference_unless_asked() -> None:
     inputs = random_paged_inputs([5, 12], num_heads=4, num_kv_heads=1, head_dim=32, block_size=4)
     expected = paged_attention_ref(*inputs, 0.1)
-    torch.testing.assert_close(paged_attention(*inputs, 0.1), expected, atol=0, rtol=0)
-    torch.testing.assert_close(paged_attention(*inputs, 0.1, use_kernel=False), expected, atol=0, rtol=0)
+    torch.testing.assert_close(decode_attention(*inputs, 0.1), expected, atol=0, rtol=0)
+    torch.testing.assert_close(decode_attention(*inputs, 0.1, use_kernel=False), expected, atol=0, rtol=0)
 
 
 # Two sequences of 5 and 9 tokens in blocks of 4: tables are 3 + 1 spare = 4 entries wide.
@@ -164,4 +164,4 @@ def test_bad_input_gets_a_clear_error(case: str) -> None:
     with pytest.raises(ValueError, match=message):
         paged_attention_ref(*inputs, 1.0)
     with pytest.raises(ValueError, match=message):
-        paged_attention(*inputs, 1.0, use_kernel=False)
+        decode_attention(*inputs, 1.0, use_kernel=False)

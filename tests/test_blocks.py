@@ -9,7 +9,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from minikv.blocks import BlockAllocator, BlockError, BlockTable, OutOfBlocks
 
-
 # ---- the allocator ----------------------------------------------------------------------
 
 def test_allocate_free_and_counts():

@@ -13,9 +13,10 @@ from transformers import DynamicCache
 
 from minikv.attention import gather_kv, paged_attention_ref
 from minikv.blocks import OutOfBlocks
-from minikv.contiguous import ContiguousKVCache, cache_shape
+from minikv.contiguous import ContiguousKVCache
 from minikv.models import tiny_llama_config
 from minikv.paged import PagedKVCache
+from minikv.sizing import cache_shape
 
 # transformers 5.x renamed generate's `past_key_values=` to `cache=` and warns (FutureWarning)
 # until 6.0. The course's public API spells `past_key_values=`, so we test that.
@@ -262,7 +263,8 @@ def test_slab_reserves_the_worst_case_and_uses_the_tokens(tiny_llama):
     cfg = tiny_llama.config
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # K+V, fp32
     shape = cache_shape(cfg)
-    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                                      cfg.head_dim)
     cache = ContiguousKVCache(cfg, max_batch_size=4, max_seq_len=32, dtype=torch.float32)
     assert cache.reserved_bytes() == 4 * 32 * per_token
     assert cache.used_bytes() == 0  # reserved before a single token arrives

@@ -35,7 +35,7 @@ from kernels.paged_attention import (  # noqa: E402
     choose_num_splits,
     paged_attention,
 )
-from minikv import attention  # noqa: E402
+from minikv import dispatch  # noqa: E402
 from minikv.attention import PagedInputs, gather_kv, paged_attention_ref, random_paged_inputs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,7 +116,8 @@ def test_kernel_matches_reference_and_plain_attention(case: tuple, device: torch
 
 def test_split_kv_gives_empty_splits_zero_weight(device: torch.device) -> None:
     # Sequences of 1 and 5 tokens use 1 entry of an 18-entry table (130 tokens need 17 blocks, plus
-    # a spare): with 2+ splits, whole splits hold none of their tokens. They must add nothing (and no NaN) to the combined answer.
+    # a spare): with 2+ splits, whole splits hold none of their tokens. They must add nothing (and no
+    # NaN) to the combined answer.
     inputs = random_paged_inputs(
         [1, 5, 130], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8, device=device
     )
@@ -157,16 +158,16 @@ def test_block_size_that_is_not_a_power_of_two(device: torch.device) -> None:
 def test_dispatch_uses_the_kernel_when_asked(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     inputs = random_paged_inputs([9, 33], num_heads=8, num_kv_heads=2, head_dim=16, block_size=16, device=device)
     kernel_out = paged_attention(*inputs, 0.25)
-    torch.testing.assert_close(attention.paged_attention(*inputs, 0.25, use_kernel=True), kernel_out, atol=0, rtol=0)
+    torch.testing.assert_close(dispatch.decode_attention(*inputs, 0.25, use_kernel=True), kernel_out, atol=0, rtol=0)
     # On the GPU the default route is the kernel; on the CPU it is the reference, never the kernel.
     if device.type == "cuda":
-        torch.testing.assert_close(attention.paged_attention(*inputs, 0.25), kernel_out, atol=0, rtol=0)
+        torch.testing.assert_close(dispatch.decode_attention(*inputs, 0.25), kernel_out, atol=0, rtol=0)
     else:
         def no_kernel(*args: object, **kwargs: object) -> torch.Tensor:
             raise AssertionError("use_kernel=None on CPU tensors must not call the kernel")
 
         monkeypatch.setattr(kernel_module, "paged_attention", no_kernel)
-        torch.testing.assert_close(attention.paged_attention(*inputs, 0.25), paged_attention_ref(*inputs, 0.25))
+        torch.testing.assert_close(dispatch.decode_attention(*inputs, 0.25), paged_attention_ref(*inputs, 0.25))
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,8 @@ import pytest
 
 pytest.importorskip("triton", reason="Triton is not installed: pip install -e '.[kernel]'")
 
+import triton  # noqa: E402
+
 from kernels.resources import (  # noqa: E402
     MAX_REGISTERS,
     MIN_RESIDENT_WARPS,
@@ -30,8 +32,6 @@ from kernels.resources import (  # noqa: E402
     slow_grid,
     static_resources,
 )
-
-import triton  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 if not PTXAS.exists() and shutil.which("ptxas") is None:

@@ -10,12 +10,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_caches import CHATS, left_padded_batch
 from transformers import DynamicCache
 
+from minikv.bench.paged import compare_prefix_reuse, sharing_report
 from minikv.blocks import blocks_for
+from minikv.paged import PagedKVCache
 from minikv.prefix import BlockManager
-from minikv.paged import PagedKVCache, compare_prefix_reuse, sharing_report
-from test_caches import CHATS, left_padded_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 
@@ -108,7 +109,8 @@ def test_random_reorders_read_what_dynamic_cache_reads(tiny_llama, block_size, d
     """Random beam reorders, repeats and selections between steps: every step's logits equal
     DynamicCache's after the same reindexing (which copies whole histories; we share blocks)."""
     rows = 3
-    ids = torch.randint(3, 256, (rows, data.draw(st.integers(1, 9), label="prompt")), generator=torch.Generator().manual_seed(1))
+    prompt_len = data.draw(st.integers(1, 9), label="prompt")
+    ids = torch.randint(3, 256, (rows, prompt_len), generator=torch.Generator().manual_seed(1))
     paged = PagedKVCache(tiny_llama.config, num_blocks=200, block_size=block_size)
     dynamic = DynamicCache(config=tiny_llama.config)
     with torch.inference_mode():

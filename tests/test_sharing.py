@@ -1,4 +1,4 @@
-"""The sharing simulator (minikv.sharing) and `python -m minikv bench prefix`: mechanism-level
+"""The sharing simulator (minikv.sim.sharing) and `python -m minikv bench prefix`: mechanism-level
 assertions (more samples share more, beams share most, a warm system prompt skips what its full
 blocks hold, a bigger pool never hits less), not figures to the decimal."""
 
@@ -10,8 +10,17 @@ import pytest
 from minikv.__main__ import main
 from minikv.bench.prefix import table
 from minikv.blocks import blocks_for
-from minikv.sharing import (Job, beam_parents, beam_trace, expected_system_prompt_skip, few_shot_trace,
-                            multi_turn_trace, parallel_trace, replay, system_prompt_trace)
+from minikv.sim.sharing import (
+    Job,
+    beam_parents,
+    beam_trace,
+    expected_system_prompt_skip,
+    few_shot_trace,
+    multi_turn_trace,
+    parallel_trace,
+    replay,
+    system_prompt_trace,
+)
 
 
 def fork_saving(kind: str, width: int, requests: int = 60) -> float:
@@ -97,8 +106,13 @@ def test_pictures_of_shared_walls_draw():
     from matplotlib.figure import Figure
 
     from minikv.prefix import BlockManager
-    from minikv.viz import (cow_figure, eviction_curve_figure, hash_chain_figure,
-                            sharing_savings_figure, shared_memory_map)
+    from minikv.viz import (
+        cow_figure,
+        eviction_curve_figure,
+        hash_chain_figure,
+        shared_memory_map,
+        sharing_savings_figure,
+    )
 
     bm = BlockManager(12, 4)
     for i, q in enumerate([[1, 2, 3], [4, 5, 6, 7, 8]]):

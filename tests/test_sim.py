@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minikv.sim import (PARTS, ContiguousMax, ContiguousOracle, ContiguousPow2, Paged, StepCost, compare,
-                        simulate)
-from minikv.traces import WORKLOADS, Request, load_trace, make_trace
+from minikv.sim.memory import PARTS, StepCost, compare, simulate
+from minikv.sim.policies import ContiguousMax, ContiguousOracle, ContiguousPow2, Paged
+from minikv.sim.traces import WORKLOADS, TraceRequest, load_trace, make_trace
 
 POLICIES = {
     "max": lambda bs: ContiguousMax(),
@@ -63,7 +63,7 @@ requests = st.lists(st.tuples(st.integers(0, 15), st.integers(1, 40), st.integer
 @given(reqs=requests, budget=st.integers(4, 160), max_seq_len=st.integers(2, 96),
        block_size=st.sampled_from([1, 2, 3, 4, 8, 16]), policy=st.sampled_from(sorted(POLICIES)))
 def test_accounting_adds_up_for_random_traces(reqs, budget, max_seq_len, block_size, policy):
-    trace = [Request(i, a, p, o) for i, (a, p, o) in enumerate(reqs)]
+    trace = [TraceRequest(i, a, p, o) for i, (a, p, o) in enumerate(reqs)]
     result = simulate(trace, POLICIES[policy](block_size), budget, max_seq_len=max_seq_len)
     check_books(result, len(trace), block_size if policy == "paged" else None)
     for rid, why in result.rejected:  # a rejection is explained, and only for a real reason
@@ -75,10 +75,10 @@ def test_accounting_adds_up_for_random_traces(reqs, budget, max_seq_len, block_s
 
 def test_first_fit_leaves_holes_that_block_a_request():
     """A and C finish, leaving holes of 4 and 3 around B: 7 free, yet D (5) must wait."""
-    trace = [Request(0, 0, 3, 1),  # A: slab [0, 4), finishes at step 1
-             Request(1, 0, 1, 2),  # B: slab [4, 7), finishes at step 2
-             Request(2, 0, 2, 1),  # C: slab [7, 10), finishes at step 1
-             Request(3, 0, 4, 1)]  # D: needs 5
+    trace = [TraceRequest(0, 0, 3, 1),  # A: slab [0, 4), finishes at step 1
+             TraceRequest(1, 0, 1, 2),  # B: slab [4, 7), finishes at step 2
+             TraceRequest(2, 0, 2, 1),  # C: slab [7, 10), finishes at step 1
+             TraceRequest(3, 0, 4, 1)]  # D: needs 5
     slabs = simulate(trace, ContiguousOracle(), 10)
     assert [(s.seq_id, s.offset, s.size) for s in slabs.snapshot(0)] == [(0, 0, 4), (1, 4, 3), (2, 7, 3)]
     t = slabs.timeline
@@ -93,12 +93,12 @@ def test_first_fit_leaves_holes_that_block_a_request():
 
 
 def test_pow2_doubles_by_reallocation():
-    trace = [Request(0, 0, 3, 12)]  # grows 3 -> 15 tokens
+    trace = [TraceRequest(0, 0, 3, 12)]  # grows 3 -> 15 tokens
     r = simulate(trace, ContiguousPow2(), 64, max_seq_len=32)
     sizes = [r.snapshot(step)[0].size for step in range(r.steps - 1)]
     assert sizes[0] == 4 and sorted(set(sizes)) == [4, 8, 16]  # next power of two, then doubling
     assert r.counters["reallocations"] == 2
-    capped = simulate([Request(0, 0, 3, 8)], ContiguousPow2(), 12, max_seq_len=32)
+    capped = simulate([TraceRequest(0, 0, 3, 8)], ContiguousPow2(), 12, max_seq_len=32)
     # live = 3 + step: the slab is 4 until token 5 arrives (step 2), 8 until token 9 (step 6),
     # then 12, the budget, since 16 would not fit.
     assert [capped.snapshot(step)[0].size for step in (0, 1, 2, 5, 6, 7)] == [4, 4, 8, 8, 12, 12]
@@ -106,7 +106,7 @@ def test_pow2_doubles_by_reallocation():
 
 
 def test_growth_without_room_preempts_the_youngest_and_still_finishes():
-    trace = [Request(i, 0, 8, 24) for i in range(4)]  # 4 x 32 tokens, budget for 2.5 of them
+    trace = [TraceRequest(i, 0, 8, 24) for i in range(4)]  # 4 x 32 tokens, budget for 2.5 of them
     r = simulate(trace, Paged(4), 80)
     assert r.preemptions > 0
     check_books(r, len(trace), 4)
@@ -118,7 +118,7 @@ def test_growth_without_room_preempts_the_youngest_and_still_finishes():
 def test_work_is_charged_for_what_each_policy_did(reqs, budget, policy):
     """Every output token is decoded once; every admitted prompt is prefilled once; a preempted
     sequence is recomputed (prompt + output so far) each time it comes back; copies are the slab moves."""
-    trace = [Request(i, a, p, o) for i, (a, p, o) in enumerate(reqs)]
+    trace = [TraceRequest(i, a, p, o) for i, (a, p, o) in enumerate(reqs)]
     r = simulate(trace, POLICIES[policy](4), budget, max_seq_len=64)
     tl, done = r.timeline, {i for i in range(len(trace))} - {i for i, _ in r.rejected}
     assert tl["decoded"].sum() == sum(trace[i].output_len for i in done)
@@ -131,7 +131,7 @@ def test_timing_charges_recompute_and_copies():
     # One request, 4 prompt + 3 output tokens, on a toy GPU where a decode step reads 1 GB at 1 GB/s
     # (1 s, plus 1 ms per live token) and a prefill token costs 2 x 1e9 FLOPs at 2 GFLOP/s (1 s).
     toy = StepCost(weight_bytes=10**9, num_params=10**9, bandwidth_gb_s=1, fp16_tflops=2e-3, prefill_efficiency=1)
-    r = simulate([Request(0, 0, 4, 3)], Paged(4), 16, bytes_per_token=10**6)
+    r = simulate([TraceRequest(0, 0, 4, 3)], Paged(4), 16, bytes_per_token=10**6)
     t = r.timing(toy)
     assert t["prefill_s"] == pytest.approx(4) and t["recompute_s"] == 0 == t["copy_s"]
     # the three decode steps attend over 4 + 1, 4 + 2 and 4 + 3 tokens
@@ -146,14 +146,15 @@ def test_timing_charges_recompute_and_copies():
 
 
 def test_impossible_requests_are_rejected_with_a_reason_not_stalled():
-    trace = [Request(0, 0, 10, 10), Request(1, 0, 200, 10), Request(2, 1, 5, 5), Request(3, 2, 40, 40)]
+    trace = [TraceRequest(0, 0, 10, 10), TraceRequest(1, 0, 200, 10), TraceRequest(2, 1, 5, 5),
+             TraceRequest(3, 2, 40, 40)]
     for policy in (ContiguousOracle(), ContiguousPow2(), Paged(16)):
         r = simulate(trace, policy, 100, max_seq_len=64)
         reasons = dict(r.rejected)
         assert set(reasons) == {1, 3}
         assert "max_seq_len" in reasons[1] and "max_seq_len" in reasons[3]
         assert r.timeline["finished"].sum() == 2
-    big = simulate([Request(0, 0, 90, 20)], Paged(16), 100, max_seq_len=2048)
+    big = simulate([TraceRequest(0, 0, 90, 20)], Paged(16), 100, max_seq_len=2048)
     assert "blocks" in big.rejected[0][1]
     whole = simulate(trace, ContiguousMax(), 100, max_seq_len=128)  # a slab larger than memory
     assert len(whole.rejected) == 4 and all("max_seq_len slab" in dict(whole.rejected)[i] for i in (0, 2, 3))
@@ -270,7 +271,7 @@ def test_figures_draw(tmp_path):
     from matplotlib.figure import Figure
 
     from minikv import viz
-    from minikv.sim import sweep_block_sizes
+    from minikv.sim.memory import sweep_block_sizes
 
     trace = make_trace("sharegpt", 40, seed=2)
     results = compare(trace, budget_tokens=4096)
@@ -298,7 +299,7 @@ def test_figures_draw(tmp_path):
 
 
 def test_a_context_too_short_for_the_workload_is_refused():
-    from minikv.traces import make_trace
+    from minikv.sim.traces import make_trace
 
     with pytest.raises(ValueError, match="max_seq_len=256 is too short for sharegpt"):
         make_trace("sharegpt", 10, max_seq_len=256)

@@ -2,12 +2,24 @@
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
-from transformers import (FalconConfig, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, OPTConfig,
-                          Qwen2Config)
+from hypothesis import given
+from hypothesis import strategies as st
+from transformers import FalconConfig, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
 
-from minikv.sizing import (GPUS, MODEL_CONFIGS, ModelShape, activation_bytes, dtype_bytes, gpu_spec, kv_bill, kv_bytes_per_token,
-                           kv_cache_bytes, max_sequences, model_spec, weight_bytes)
+from minikv.sizing import (
+    GPUS,
+    MODEL_CONFIGS,
+    ModelShape,
+    activation_bytes,
+    dtype_bytes,
+    gpu_spec,
+    kv_bill,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+    max_sequences,
+    model_spec,
+    weight_bytes,
+)
 
 # bytes per token in fp16 = 2 * layers * kv_heads * head_dim * 2, from each model's published config
 PUBLISHED_FP16 = {

@@ -21,6 +21,7 @@ proves the kernel correct (tests/test_kernel.py) but says nothing about speed.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -148,13 +149,14 @@ def bench_config(batch: int, context: int, dtype: torch.dtype, block_size: int, 
     ordered_got = paged_attention(query, ordered_k, ordered_v, identity, seq_lens, scale)
     if not torch.equal(ordered_got, got):
         return row | dict(status="WRONG: identity-table answer differs from the permuted-table answer")
-    identity_ms = _time_ms(lambda: paged_attention(query, ordered_k, ordered_v, identity, seq_lens, scale,
-                                                   check_inputs=False))
+    identity_ms = _time_ms(functools.partial(paged_attention, query, ordered_k, ordered_v, identity, seq_lens, scale,
+                                             check_inputs=False))
     del ordered_k, ordered_v
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     row |= dict(
         status="ok",
-        num_splits=split_plan(blocks_per_seq, choose_num_splits(batch, NUM_KV_HEADS, blocks_per_seq, block_size, sms))[0],
+        num_splits=split_plan(blocks_per_seq,
+                              choose_num_splits(batch, NUM_KV_HEADS, blocks_per_seq, block_size, sms))[0],
         kernel_us=kernel_ms * 1e3,
         bytes=bytes_moved,
         gbps=bytes_moved / (kernel_ms * 1e-3) / 1e9,

@@ -5,7 +5,7 @@ traces share blocks by fork and copy-on-write; conversations behind one ~1,000-t
 few-shot prompts and multi-turn chats share them through the prefix cache. Prints memory saved
 (block-steps saved / block-steps unshared), prefill tokens skipped, block hit rate, and hit rate
 against pool size (the eviction curve). ``--json`` prints one JSON object instead. A few seconds
-on a CPU. See ``minikv.sharing`` for the models and what each number means.
+on a CPU. See ``minikv.sim.sharing`` for the models and what each number means.
 """
 
 from __future__ import annotations
@@ -14,8 +14,18 @@ import argparse
 import json
 import sys
 
-from minikv.sharing import (DEFAULT_BLOCK_SIZE, DEFAULT_NUM_BLOCKS, PAPER, beam_trace, expected_system_prompt_skip,
-                            few_shot_trace, multi_turn_trace, parallel_trace, replay, system_prompt_trace)
+from minikv.sim.sharing import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_NUM_BLOCKS,
+    PAPER,
+    beam_trace,
+    expected_system_prompt_skip,
+    few_shot_trace,
+    multi_turn_trace,
+    parallel_trace,
+    replay,
+    system_prompt_trace,
+)
 
 WIDTHS = (2, 4, 6)
 RATES = {"alpaca": 1.0, "sharegpt": 0.05}  # arrivals per step: busy (the pool fills) without endless preemption
@@ -26,7 +36,8 @@ SYSTEM_LEN, QUESTION = 1000, (50, 200)
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m minikv bench prefix", description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=100,
-                   help="Alpaca-shaped requests per fork run and system-prompt conversations (ShareGPT and multi-turn chats: a fifth as many; few-shot: twice; default 100)")
+                   help="Alpaca-shaped requests per fork run and system-prompt conversations (ShareGPT and "
+                        "multi-turn chats: a fifth as many; few-shot: twice; default 100)")
     p.add_argument("--num-blocks", type=int, default=DEFAULT_NUM_BLOCKS,
                    help=f"pool size in blocks (default {DEFAULT_NUM_BLOCKS}: 12 GiB of OPT-13B KV)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per block (default 16)")
@@ -60,7 +71,8 @@ def run(args: argparse.Namespace) -> dict:
                 fork[kind][workload][str(w)] = r.memory_saved
                 rows.append({**r.summary(), "sharing": "fork"})
     prefix = {
-        "system_prompt": replay(system_prompt_trace(args.requests, system_len=SYSTEM_LEN, question=QUESTION, seed=args.seed),
+        "system_prompt": replay(system_prompt_trace(args.requests, system_len=SYSTEM_LEN, question=QUESTION,
+                                                    seed=args.seed),
                                 f"system prompt {SYSTEM_LEN:,} + question {QUESTION[0]}-{QUESTION[1]}", **kw),
         "few_shot": replay(few_shot_trace(2 * args.requests, seed=args.seed), "few-shot (4 blocks of 300-600)", **kw),
         "multi_turn": replay(multi_turn_trace(chats, seed=args.seed), f"multi-turn chat ({chats} chats)", **kw),

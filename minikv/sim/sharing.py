@@ -1,10 +1,10 @@
 """Shared walls, simulated: replay traces with shared prefixes through the real ``BlockManager``.
 
-Stage 2-3's simulator (``minikv.sim``) asks where memory goes when nobody shares. This one asks
+Stage 2-3's simulator (``minikv.sim.memory``) asks where memory goes when nobody shares. This one asks
 how much sharing saves, and runs the very block manager the engine uses (``minikv.prefix``), so
 every hit, fork, copy-on-write and eviction below is the real one, on block ids, without tensors.
 
-Traces (each a list of ``Job``; lengths and arrivals come from ``minikv.traces``):
+Traces (each a list of ``Job``; lengths and arrivals come from ``minikv.sim.traces``):
 
 * ``system_prompt_trace``: conversations behind one long shared system prompt (~1,000 tokens),
   each with its own question (50-200 tokens);
@@ -15,7 +15,7 @@ Traces (each a list of ``Job``; lengths and arrivals come from ``minikv.traces``
 * ``parallel_trace(workload, n)``: each request's prompt sampled ``n`` times (vLLM's ``n``);
 * ``beam_trace(workload, width)``: beam search of that width.
 
-The replay (``replay``) is a step loop like ``minikv.sim``: arrivals queue; every step each
+The replay (``replay``) is a step loop like ``minikv.sim.memory``: arrivals queue; every step each
 running sequence writes one token; a job is admitted first come, first served when the pool
 has ``blocks_for(prompt) + 1`` blocks per sequence free (a conservative check: cache hits on
 blocks someone owns would need fewer); when a decode step runs out of blocks the youngest job
@@ -52,6 +52,23 @@ beams is copied (copy-on-write) by all but the last sibling to write.
 Parallel sampling: the prompt is prefilled once, then forked into ``n`` samples whose answer
 lengths are drawn independently from the workload's answer lengths (samples stop at their own
 end of text). The prompt's partial last block is copied by the first ``n - 1`` samples that write.
+
+**Why the replay has its own admission and preemption** instead of driving the engine's scheduler
+(``minikv.scheduler``, with the fake runner); the block manager, where the sharing happens, is
+the engine's own:
+
+* the engine has no beam search, and half of the paper's comparison (Fig. 15) is beams: each
+  step forks the survivors from a few parents and drops the others, which is bookkeeping on
+  block tables the scheduler never does;
+* a job is preempted and readmitted as a whole (all its samples or beams), as vLLM does with a
+  sequence group; the scheduler preempts single sequences, and would split a family;
+* samples of one request stop at answer lengths drawn independently, while a request's
+  ``SamplingParams.max_tokens`` is one number for all its ``n`` samples;
+* admission here reserves ``blocks_for(prompt) + 1`` blocks per sequence and writes the whole
+  prompt in the admission step; the scheduler admits under a token budget and a watermark and
+  forks the ``n`` samples only after the prompt's prefill. Stage 5's printed figures (memory
+  saved, prefill skipped, hit rates, the eviction curve) come from this replay, in the paper's
+  setup, and would all move under the engine's rules.
 """
 
 from __future__ import annotations
@@ -64,8 +81,8 @@ import numpy as np
 
 from minikv.blocks import OutOfBlocks, blocks_for
 from minikv.prefix import BlockManager
-from minikv.sim import DEFAULT_BUDGET_TOKENS, DEFAULT_MAX_SEQ_LEN
-from minikv.traces import WORKLOADS, make_trace
+from minikv.sim.memory import DEFAULT_BUDGET_TOKENS, DEFAULT_MAX_SEQ_LEN
+from minikv.sim.traces import WORKLOADS, make_trace
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_NUM_BLOCKS = DEFAULT_BUDGET_TOKENS // DEFAULT_BLOCK_SIZE  # the paper's OPT-13B budget: 983 blocks

@@ -13,7 +13,8 @@ exercise), and nothing else of `minikv.sizing`'s arithmetic: `kv_bytes_per_token
 `kv_cache_bytes`, `kv_bill` and `max_sequences` are forbidden (`FORBIDDEN`).
 """
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minikv.grading import call, learner
 from minikv.sizing import MODEL_CONFIGS, ModelShape, kv_bytes_per_token

@@ -50,7 +50,8 @@ FORBIDDEN = ["minikv.blocks.BlockAllocator", "minikv.blocks.BlockTable", "minikv
 MANY = settings(max_examples=100, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
 OUT_OF_BLOCKS_ERRORS = (RuntimeError, MemoryError)  # minikv's OutOfBlocks is a RuntimeError
 TABLE_BLOCK_SIZES = (1, 2, 3, 5, 7, 16)
-CLASS_STATE = "does your class keep state outside its instance (a list defined at class level, a global)?"  # the likely cause of a flaky failure
+# the likely cause of a flaky failure
+CLASS_STATE = "does your class keep state outside its instance (a list defined at class level, a global)?"
 
 
 
@@ -377,7 +378,8 @@ def replay_tables(cls, bs: int, num_blocks: int, num_tables: int, ops, window: i
                     fail(f"it rightly failed ({want[1].needed} block(s) needed, {want[1].free} free), but not "
                          f"all-or-nothing: {names[i]}.blocks went from {before[i]} to {after}, num_tokens to "
                          f"{tokens} (expected {r.num_tokens}), the pool's free blocks from {free_before} to "
-                         f"{my_pool.num_free}. Compare blocks_needed(n) with allocator.num_free before taking any block")
+                         f"{my_pool.num_free}. Compare blocks_needed(n) with allocator.num_free "
+                         "before taking any block")
             elif not (got[0] == "raised" and isinstance(got[1], next(
                     t for t in (IndexError, ValueError, type(want[1])) if isinstance(want[1], t)))):
                 fail(f"it {_describe(got)}; expected {type(want[1]).__name__} ({want[1]})")
@@ -433,8 +435,9 @@ def check_block_table_sliding_window(ns):
                                   ("slots_for", 0, [3]), ("append_tokens", 0, 7), ("free", 0)], window=6)
     for bs in (1, 3, 16):  # one token at a time, as decoding does
         replay_tables(cls, bs, 64, 1, [("append_tokens", 0, 1)] * (3 * bs + 2), window=bs + 1)
-    run_hypothesis(MANY(given(table_programs(small_pool=False, windows=True))(lambda prog: replay_tables(cls, *prog))), CLASS_STATE)
-    run_hypothesis(MANY(given(table_programs(small_pool=True, windows=True))(lambda prog: replay_tables(cls, *prog))), CLASS_STATE)
+    for small_pool in (False, True):
+        programs = given(table_programs(small_pool=small_pool, windows=True))
+        run_hypothesis(MANY(programs(lambda prog: replay_tables(cls, *prog))), CLASS_STATE)
 
 
 # ---- (c) paged attention ------------------------------------------------------------------
@@ -471,8 +474,9 @@ def compare_attention(fn, lens, num_heads, num_kv_heads, head_dim, block_size, s
     except NotImplementedYet:
         raise
     except Exception as err:  # noqa: BLE001
+        indexing = isinstance(err, IndexError) or "index" in str(err)
         hint = (" (entries past a sequence's last block are garbage, like -1 or 2**31-1: read only the first "
-                "ceil(seq_len / block_size) entries of its row)") if isinstance(err, IndexError) or "index" in str(err) else ""
+                "ceil(seq_len / block_size) entries of its row)") if indexing else ""
         raise AssertionError(f"my_paged_attention raised {type(err).__name__}: {err}{hint}, for {shape}") from None
     if not isinstance(got, torch.Tensor):
         raise AssertionError(f"my_paged_attention returned {type(got).__name__}, expected a tensor, for {shape}")

@@ -17,6 +17,7 @@ normal method calls on the learner's object (no attribute of it is touched).
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 
@@ -24,21 +25,29 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minikv.blocks import OutOfBlocks, blocks_for
-from minikv.checks.ex03_paged import CLASS_STATE, MANY, OUT_OF_BLOCKS_ERRORS, _describe, _outcome
+from minikv.blocks import blocks_for
 from minikv.grading import NotImplementedYet, call, learner, one_torch_thread, run_hypothesis
+from minikv.grading.checks.ex03_paged import CLASS_STATE, MANY, OUT_OF_BLOCKS_ERRORS, _describe, _outcome
 from minikv.prefix import BlockManager
 
-# Delegation (see minikv.delegation): the graded names may not be, call or subclass minikv's own
+# Delegation (see minikv.grading.delegation): the graded names may not be, call or subclass minikv's own
 # prefix cache or this module's reference. minikv.blocks (OutOfBlocks, blocks_for, the stage-3
 # allocator and table) stays allowed: the exercise is the hash chain, the lookup and copy-on-write.
 GRADED = ["chain_hash", "MyBlockManager"]
 FORBIDDEN = ["minikv.prefix.BlockManager", "minikv.prefix.PrefixCache", "minikv.prefix.SeqTable",
-             "minikv.prefix.block_hash", "minikv.checks.ex05_prefix.Reference"]
+             "minikv.prefix.block_hash", "minikv.grading.checks.ex05_prefix.Reference"]
 
 
 class Reference:
-    """minikv's BlockManager behind the exercise's interface (what the learner's class must match)."""
+    """minikv's BlockManager behind the exercise's interface (what the learner's class must match).
+
+    minikv's manager has no all-or-nothing ``admit``: it opens (takes the cache hits) and then
+    appends, and leaves the undoing to its caller. The reference does not rebuild the rule the
+    learner writes (counting the blocks a prompt needs before touching anything); it runs the
+    two calls as a *transaction* on a copy of the whole manager and keeps the copy only if both
+    succeeded. So what the checks compare is behaviour: on refusal nothing at all changed (no
+    cached block taken, no eviction order moved), however a submission arranges that.
+    """
 
     def __init__(self, num_blocks: int, block_size: int):
         self.bm = BlockManager(num_blocks, block_size)
@@ -49,20 +58,12 @@ class Reference:
         return self.bm.num_free_blocks
 
     def admit(self, seq_id, prompt, salt=None) -> int:
-        bm, bs = self.bm, self.block_size
-        if seq_id in bm.tables:
+        if seq_id in self.bm.tables:
             raise ValueError(f"sequence {seq_id!r} is already admitted")
-        parent, hits, evictable = None, 0, 0  # a read-only lookup first: all or nothing
-        for i in range((len(prompt) - 1) // bs):
-            block = bm.cache.match(parent, tuple(prompt[i * bs:(i + 1) * bs]), salt)
-            if block is None:
-                break
-            hits, evictable, parent = hits + 1, evictable + (block in bm.cache.evictable), bm.cache.key_of[block]
-        needed = evictable + blocks_for(len(prompt), bs) - hits
-        if needed > bm.num_free_blocks:
-            raise OutOfBlocks(needed, bm.num_free_blocks, f"prompt of {seq_id!r}")
-        hit = bm.open(seq_id, prompt, extra_key=salt)
-        bm.append(seq_id, prompt[hit:])
+        trial = copy.deepcopy(self.bm)  # the manager is small here (tens of blocks): copying is cheap
+        hit = trial.open(seq_id, prompt, extra_key=salt)
+        trial.append(seq_id, prompt[hit:])  # OutOfBlocks here discards the trial: self.bm is untouched
+        self.bm = trial
         return hit
 
     def append(self, seq_id, token: int) -> int:
@@ -178,7 +179,8 @@ SCRIPTS = {
         (8, 2, [("admit", "a", [1, 2, 3, 4, 5], "x"), ("admit", "b", [1, 2, 3, 4, 5], "y"),
                 ("admit", "c", [1, 2, 3, 4, 5], "x")]),
     "a hit on a freed (evictable) block takes it back":
-        (4, 2, [("admit", "a", [1, 2, 3, 4, 5]), ("free", "a"), ("admit", "b", [1, 2, 3, 4, 9]), ("admit", "c", [7, 7, 7])]),
+        (4, 2, [("admit", "a", [1, 2, 3, 4, 5]), ("free", "a"), ("admit", "b", [1, 2, 3, 4, 9]),
+                ("admit", "c", [7, 7, 7])]),
     "eviction takes never-cached blocks first, then the least recently used, a chain from its end":
         (5, 2, [("admit", "a", [1, 2, 3, 4, 5]), ("free", "a"), ("admit", "b", [6, 6, 6, 6, 6]), ("free", "b"),
                 ("admit", "c", [8, 8, 8]), ("admit", "d", [1, 2, 3, 4, 9]), ("admit", "e", [6, 6, 6, 6, 6])]),
@@ -337,7 +339,8 @@ def check_real_model_beams_with_your_manager(ns):
     model, name, ids, kw, expected = _real_model()
     num_blocks = BEAMS * blocks_for(ids.shape[1] + NEW_TOKENS, BLOCK_SIZE) + 4
     mine = call(cls, num_blocks, BLOCK_SIZE)
-    built = f"PagedKVCache(model.config, {num_blocks}, {BLOCK_SIZE}, manager=<MyBlockManager({num_blocks}, {BLOCK_SIZE})>)"
+    built = (f"PagedKVCache(model.config, {num_blocks}, {BLOCK_SIZE}, "
+             f"manager=<MyBlockManager({num_blocks}, {BLOCK_SIZE})>)")
     cache = PagedKVCache(model.config, num_blocks, BLOCK_SIZE, manager=Adapter(mine, num_blocks, BLOCK_SIZE))
     try:
         with torch.inference_mode():

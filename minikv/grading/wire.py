@@ -1,17 +1,16 @@
-"""The grader's sandbox: run a submission's code in a child process, and call into it from the parent.
+"""The wire between the grader and a submission's process: messages, proxies and the channel.
 
-`python -m minikv grade` must not let a submission decide its own verdict. So the submission's
-cells run in a fresh interpreter (this file, run as a script: it imports nothing of minikv, so a
-child that needs no torch starts in a fraction of a second), under a memory limit
-(``RLIMIT_AS``) and a wall-clock limit, and the checks, the reference and the drawing of inputs
-stay in the parent. The parent sees the child's objects through proxies:
+Both sides use this module: the parent imports it as ``minikv.grading.wire``, the child (which
+may import nothing of minikv before its tripwires are set, see `minikv.grading.child`) loads this
+file by its path. So it imports only the standard library (torch lazily, for tensors), and no
+pickle that crosses the socket names a class defined here: proxies, tensors and numbers travel
+as persistent ids, and exceptions as plain descriptions.
 
-* ``Sandbox.namespace`` is a read-only mapping of the child's globals: plain data (ints, strings,
-  lists, dicts, tensors, ...) comes back by value, everything else (functions, classes, instances,
-  iterators) as a `Proxy`. Calling a proxied class makes an instance in the child and returns a
-  proxy of it; its method calls and attribute reads go to the child. So a check keeps reading
-  naturally: ``PagedKVCache(..., allocator=MyBlockAllocator(n), table_cls=MyBlockTable)`` in the
-  parent drives the learner's allocator and table in the child.
+* Plain data (ints, strings, lists, dicts, tensors, ...) goes by value; everything else
+  (functions, classes, instances, iterators) as a `Proxy`. Calling a proxied class makes an
+  instance on the other side and returns a proxy of it; its method calls and attribute reads go
+  across. So a check keeps reading naturally: ``PagedKVCache(..., allocator=MyBlockAllocator(n))``
+  in the parent drives the learner's allocator in the child.
 * Objects the parent passes to the child go by value when they are plain data, and otherwise as
   proxies the other way round (a minikv ``BlockAllocator`` handed to the learner's block table
   stays in the parent, and the table's calls on it come back). The parent answers only public
@@ -24,12 +23,9 @@ stay in the parent. The parent sees the child's objects through proxies:
 * Proxies do not forward ``==``, ``<`` or ``hash``: an object whose ``__eq__`` says yes to
   everything compares by identity in the parent, and so equals nothing a check expects.
 
-The wire: length-prefixed pickles over a socket pair. The parent unpickles what the child sends
+Messages are length-prefixed pickles over a socket pair. The parent unpickles what the child sends
 with a restricted unpickler (no globals at all; tensors, proxies and numbers travel as persistent
 ids), so a hostile message cannot run code in the parent; the child trusts the parent.
-
-If the child dies (any exit, a crash, the time limit, the memory limit), the call in flight raises
-`ChildDied` with the reason, a `BaseException` so that no check's ``except Exception`` hides it.
 """
 
 from __future__ import annotations
@@ -38,12 +34,9 @@ import io
 import os
 import pickle
 import select
-import signal
 import socket
 import struct
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
@@ -146,8 +139,9 @@ def _describe_error(err: BaseException, depth: int = 0) -> tuple:
         message = "<unprintable>"
     bases = tuple(c.__name__ for c in type(err).__mro__ if c.__module__ == "builtins")
     frames = traceback.extract_tb(err.__traceback__)
+    ours = ("wire.py", "child.py")
     mine = [f for f in frames if f.filename.startswith("<")] or [
-        f for f in frames if "site-packages" not in f.filename and not f.filename.endswith("sandbox.py")] or frames
+        f for f in frames if "site-packages" not in f.filename and not f.filename.endswith(ours)] or frames
     where = f"line {mine[-1].lineno} of {os.path.basename(mine[-1].filename)}" if mine else ""
     cause = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
     cause = _describe_error(cause, depth + 1) if cause is not None and depth < 5 else None
@@ -506,283 +500,3 @@ class Channel:
 
         if isinstance(value, (types.ModuleType, type)):
             raise AttributeError("modules and classes of the grader are not handed to submissions")
-
-
-# ---- the parent's side --------------------------------------------------------------------------
-
-class RemoteNamespace:
-    """The child's globals, read-only: `name in ns`, `ns[name]`, `ns.get(name)`.
-
-    `flagged` maps names to a delegation message: reading such a name raises `Delegation`."""
-
-    def __init__(self, channel: Channel, flagged: dict[str, str] | None = None):
-        self._channel, self.flagged = channel, dict(flagged or {})
-        self.notes: list[str] = []  # cells that raised, for "`f` is not defined" messages
-
-    def __contains__(self, name) -> bool:
-        return bool(self._channel.request("has", None, (name,)))
-
-    def __getitem__(self, name):
-        if name in self.flagged:
-            raise Delegation(self.flagged[name])
-        if name not in self:
-            raise KeyError(name)
-        return self._channel.request("get", None, (name,))
-
-    def get(self, name, default=None):
-        return self[name] if name in self else default
-
-    def keys(self):
-        return list(self._channel.request("keys", None, ()))
-
-
-class Sandbox:
-    """A child process holding one submission's namespace. Use as a context manager."""
-
-    def __init__(self, cells: list[tuple[str, str]], *, timeout: float = 300, memory_bytes: int | None = 8 << 30,
-                 tripwires: tuple[str, ...] = (), flagged: dict[str, str] | None = None, repo: str | None = None):
-        self.cells, self.timeout, self.memory_bytes = cells, timeout, memory_bytes
-        self.tripwires, self.flagged = tripwires, flagged
-        self.repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        self.proc = None
-        self.notes: list[str] = []
-        self.cell_running: str | None = None
-        self.death: str | None = None
-
-    def __enter__(self) -> "Sandbox":
-        parent_sock, child_sock = socket.socketpair()
-        self.log = tempfile.TemporaryFile()
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")  # graders run jobs side by side; the child's tensors are small
-        # The checks hand the child CPU tensors only, and CUDA's start-up reserves far more address space
-        # than the memory limit allows: the child sees no GPU.
-        env["CUDA_VISIBLE_DEVICES"] = ""
-        env.pop("PYTHONSTARTUP", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), str(child_sock.fileno()), str(self.memory_bytes or 0),
-             self.repo],
-            pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-            env=env, start_new_session=True)
-        child_sock.close()
-        self.channel = Channel(parent_sock, trusting=False)
-        self.channel.deadline = time.monotonic() + self.timeout
-        self.channel.on_timeout = self._timed_out
-        self.channel.on_eof = self._died
-        self.channel.on_broken = self._broken
-        self.namespace = RemoteNamespace(self.channel, self.flagged)
-        self.namespace.cells = [source for source, _ in self.cells]  # the submission's code, as the grader read it
-        try:
-            self.channel.send(("start", list(self.cells), tuple(self.tripwires)))
-            while True:  # the child runs the cells, saying which one it starts
-                msg = self.channel.recv()
-                if not (isinstance(msg, tuple) and msg and msg[0] in ("cell", "note", "ready")):
-                    raise ProtocolError("unexpected message while the cells ran")
-                if msg[0] == "cell":
-                    self.cell_running = str(msg[1])[:100]
-                elif msg[0] == "note":
-                    self.notes.append(_one_line(msg[1]))
-                    self.namespace.notes = self.notes
-                else:
-                    self.cell_running = None
-                    break
-        except ProtocolError as err:
-            self._kill()
-            self.death = f"the submission broke the grader's protocol ({err})"
-        except ChildDied as err:
-            self.death = err.reason
-        return self
-
-    def _status(self) -> str:
-        try:
-            rc = self.proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            self._kill()
-            rc = self.proc.wait()
-        if rc < 0:
-            name = signal.Signals(-rc).name
-            why = " (out of memory?)" if name == "SIGKILL" else ""
-            return f"was killed by {name}{why}"
-        return f"exited with status {rc}"
-
-    def _where(self) -> str:
-        return f" while running {self.cell_running}" if self.cell_running else ""
-
-    def _last_output(self) -> str:
-        try:
-            self.log.seek(0, os.SEEK_END)
-            size = self.log.tell()
-            self.log.seek(max(0, size - 400))
-            lines = [ln for ln in self.log.read().decode(errors="replace").splitlines() if ln.strip()]
-            return f"; its last output: {_one_line(lines[-1])[:150]}" if lines else ""
-        except OSError:
-            return ""
-
-    def _died(self):
-        where = self._where()
-        self.death = f"the submission's process {self._status()}{where}{self._last_output()}"
-        raise ChildDied(self.death)
-
-    def _broken(self, why: str):
-        self._kill()
-        self.death = f"the submission broke the grader's protocol ({_one_line(why)[:100]})"
-        raise ChildDied(self.death)
-
-    def _timed_out(self):
-        self._kill()
-        self.death = f"time limit: the submission ran past {self.timeout:g} s{self._where()}"
-        raise ChildDied(self.death)
-
-    def _kill(self):
-        if self.proc and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                self.proc.kill()
-        if self.proc:
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-
-    def check_alive(self) -> None:
-        if self.death:
-            raise ChildDied(self.death)
-
-    def __exit__(self, *exc):
-        self._kill()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # anything the submission started, too
-        except (ProcessLookupError, PermissionError, TypeError):
-            pass
-        self.channel.sock.close()
-        self.log.close()
-        return False
-
-
-def _one_line(text) -> str:
-    return " ".join(str(text).split())[:300]
-
-
-# ---- the child's side ---------------------------------------------------------------------------
-
-class _ChildChannel(Channel):
-    def __init__(self, sock, ns: dict):
-        super().__init__(sock, trusting=True)
-        self.ns = ns
-
-    def serve(self, msg) -> None:
-        # Namespace requests are ("req", rid, "has"|"get"|"keys", None, (name,), {}).
-        if len(msg) == 6 and msg[3] is None and msg[2] in ("has", "get", "keys"):
-            _, rid, op, _, args, _ = msg
-            if op == "has":
-                value = isinstance(args[0], str) and args[0] in self.ns
-            elif op == "get":
-                value = self.ns[args[0]]
-            else:
-                value = [k for k in self.ns if isinstance(k, str) and not k.startswith("__")]
-            try:
-                self.send(("rep", rid, "ok", value, ()))
-            except Exception as err:  # noqa: BLE001
-                self.send(("rep", rid, "err", self.describe_error(err), ()))
-            return
-        super().serve(msg)
-
-
-def _install_tripwires(channel: Channel, names: tuple[str, ...]) -> None:
-    """Record every call of minikv's own implementations while a graded call runs: wrap each named
-    function (or each method of a named class) when its module is first imported."""
-    import functools
-    import importlib.abc
-    import importlib.machinery
-
-    by_module: dict[str, list[str]] = {}
-    for dotted in names:
-        module, _, attr = dotted.rpartition(".")
-        by_module.setdefault(module, []).append(attr)
-
-    def wire(module) -> None:
-        for attr in by_module.get(module.__name__, []):
-            obj = getattr(module, attr, None)
-            if obj is None:
-                continue
-            label = f"{module.__name__}.{attr}"
-            if isinstance(obj, type):
-                for key, member in list(vars(obj).items()):
-                    if callable(member) and not isinstance(member, type):
-                        setattr(obj, key, _tripwire(member, f"{label}.{key}"))
-                    elif isinstance(member, property) and member.fget:
-                        setattr(obj, key, property(_tripwire(member.fget, f"{label}.{key}"), member.fset))
-            elif callable(obj):
-                setattr(module, attr, _tripwire(obj, label))
-
-    def _tripwire(fn, label):
-        if isinstance(fn, (staticmethod, classmethod)):
-            return type(fn)(_tripwire(fn.__func__, label))
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if channel.depth:
-                channel.hits.append(label)
-            return fn(*args, **kwargs)
-        return wrapper
-
-    class Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname, path, target=None):
-            if fullname not in by_module:
-                return None
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-            if spec is None or spec.loader is None:
-                return spec
-            exec_module = spec.loader.exec_module
-
-            def exec_and_wire(module):
-                exec_module(module)
-                wire(module)
-            spec.loader.exec_module = exec_and_wire
-            return spec
-
-    sys.meta_path.insert(0, Finder())
-
-
-def _python_only(source: str) -> str:
-    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
-
-
-def child_main(fd: int, memory_bytes: int, repo: str) -> None:
-    if memory_bytes:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-        sys.path.pop(0)  # this file's folder is minikv/; its modules are not top-level names
-    sys.path.insert(0, repo)
-    sock = socket.socket(fileno=fd)
-    ns: dict = {"__name__": "__main__"}
-    channel = _ChildChannel(sock, ns)
-    msg = channel.recv()
-    _, cells, tripwires = msg
-    _install_tripwires(channel, tripwires)
-    import linecache
-
-    os.environ.setdefault("MPLBACKEND", "Agg")  # no windows
-    for source, filename in cells:
-        channel.send(("cell", filename))
-        source = _python_only(source)
-        # Registered as IPython does, so inspect (and Triton's interpreter, which re-reads a
-        # kernel's source) and tracebacks find the code that actually ran.
-        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        try:
-            exec(compile(source, filename, "exec"), ns)
-        except BaseException as err:  # noqa: BLE001 - SystemExit, KeyboardInterrupt: a note, not an exit
-            first = (str(err).splitlines() or [""])[0][:200]
-            channel.send(("note", f"{filename} raised {type(err).__name__}: {first}"))
-    channel.send(("ready",))
-    while True:
-        msg = channel.recv()
-        if msg == ("bye",):
-            return
-        channel.serve(msg)
-
-
-if __name__ == "__main__":
-    child_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

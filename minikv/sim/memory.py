@@ -1,6 +1,6 @@
 """A trace-driven KV-cache memory simulator: where did the memory go?
 
-It replays a request trace (``minikv.traces``) against a fixed KV budget, one decode step
+It replays a request trace (``minikv.sim.traces``) against a fixed KV budget, one decode step
 at a time, under a pluggable allocation policy, and accounts for every token of the budget
 at every step. Each step:
 
@@ -58,19 +58,36 @@ prefilled, recomputed and copied, so every policy is charged for what it did.
 Default setup, from the paper (Kwon et al. 2023, Table 1): OPT-13B on one A100-40GB,
 26 GB of weights, 12 GB left for the KV cache at 800 KiB per token (2 x 40 layers x 5120
 x fp16) = 15,728 token slots ("15.7K"), ``max_seq_len`` 2,048 (OPT's context).
+
+**Why this loop does not drive the engine's scheduler** (``minikv.scheduler``, with the fake
+runner), although both admit first come first served and preempt the youngest by recompute:
+
+* three of the four policies are contiguous slabs placed first-fit in one address space (and
+  ``ContiguousPow2`` moves a slab when it doubles). The scheduler knows only a block manager
+  (``minikv.prefix.BlockManagerProtocol``): equal blocks, a table per sequence, no addresses, so
+  it has no notion of a slab, a hole or a move, and external fragmentation cannot arise in it;
+* a step here is one decode token per running sequence, and an admitted prompt is in the cache
+  at once, whatever its length. The engine's step is a *token budget* (``max_num_batched_tokens``,
+  chunked prefill), a seat limit and a free-block watermark, and it samples the first output
+  token in the prompt's own step, so the same trace takes a different number of steps and
+  ``max_concurrent_*``, the utilizations and the timeline would all move (stage 2 and 3's
+  printed figures are these, and they follow the paper's setup, which has none of those knobs);
+* the trace gives lengths, not token ids, and the simulator knows each output length in advance
+  (that is how it splits waste into reserved and internal); the engine learns a sequence's end
+  only by generating it, and the fake runner would hash every sequence's whole history at every
+  one of the trace's hundreds of thousands of token steps.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from minikv.blocks import BlockAllocator, BlockTable, blocks_for
-from minikv.traces import Request
+from minikv.sim.policies import Paged, Policy, Seq, default_policies, external_tokens, slab_waste
+from minikv.sim.traces import TraceRequest
 
 OPT13B_BYTES_PER_TOKEN = 2 * 40 * 5120 * 2  # K and V, 40 layers, hidden 5120, fp16: 800 KiB
 DEFAULT_BUDGET_TOKENS = 12 * 2**30 // OPT13B_BYTES_PER_TOKEN  # 12 GiB of KV: 15,728 tokens
@@ -104,236 +121,6 @@ class StepCost:
                 "prefill": 2 * self.num_params * np.asarray(prefilled) / flops,
                 "recompute": 2 * self.num_params * np.asarray(recomputed) / flops,
                 "copy": 2 * np.asarray(copied_bytes) / bw}
-
-
-@dataclass(eq=False, slots=True)
-class Seq:
-    """A request while it is in the system: ``live`` tokens are in (or owed to) the cache."""
-
-    req: Request
-    live: int
-    id: int = field(init=False)
-    final: int = field(init=False)  # prompt + output: known to the simulator, not to a server
-    cap: int = 0  # tokens the policy holds for it (cached: the per-step books read it a lot)
-    running: bool = False
-    since: int = 0  # step of its current admission
-    live0: int = 0  # tokens it was admitted with (prompt, or prompt + output so far)
-    preempted: int = 0  # times it was preempted: readmitting it recomputes its tokens
-
-    def __post_init__(self) -> None:
-        self.id, self.final = self.req.id, self.req.total_len
-
-
-class Policy(Protocol):
-    """How KV memory is handed out. A slot is ``(offset, size, first_token)``: ``size``
-    tokens of the address space from ``offset`` holding the sequence's tokens from
-    ``first_token`` on."""
-
-    name: str
-    counters: dict[str, int]
-
-    def reset(self, budget: int, max_seq_len: int) -> None: ...
-    def refuse(self, req: Request) -> str | None: ...  # why it can never fit, else None
-    def need(self, seq: Seq) -> int: ...  # tokens admitting it now would take
-    def admit(self, seq: Seq) -> bool: ...  # place seq.live tokens; False: no room
-    def grow(self, seq: Seq) -> bool: ...  # room for token seq.live + 1; False: no room
-    def release(self, seq: Seq) -> None: ...
-    def capacity(self, seq: Seq) -> int: ...  # tokens it holds
-    def slots(self, seq: Seq, start: int = 0) -> list[tuple[int, int, int]]: ...  # holding tokens >= start
-    def free_tokens(self) -> int: ...  # free in the allocator's own books
-    def usable_free(self) -> int: ...  # of which a new request could use
-
-
-def first_fit(slabs: list[tuple[int, int]], size: int, budget: int) -> int | None:
-    """The lowest offset in [0, budget) where ``size`` tokens fit between the ``(offset, size)``
-    slabs (any order, not overlapping), or None when no hole is big enough."""
-    end = 0  # end of the previous slab: the hole runs from here to the next slab
-    for off, sz in sorted(slabs):
-        if off - end >= size:
-            return end
-        end = off + sz
-    return end if budget - end >= size else None
-
-
-def slab_waste(size: int, live: int, final: int) -> tuple[int, int, int]:
-    """Split a held slot of ``size`` tokens into (live, reserved, internal) tokens, for a
-    sequence with ``live`` tokens in it now that will end with ``final``: reserved is what
-    it will still fill, internal what it never will. For a block holding the sequence's tokens
-    from ``first`` on, pass ``live - first`` and ``final - first``."""
-    live, used = min(max(live, 0), size), min(max(final, 0), size)
-    return live, used - live, size - used
-
-
-def external_tokens(policy: Policy, blocked: Seq | None) -> int:
-    """Free memory stranded by where it lies: all free memory when the head of the queue
-    (``blocked``) was refused although the total free memory would hold it, else 0."""
-    if blocked is not None and policy.need(blocked) <= policy.usable_free():
-        return policy.free_tokens()
-    return 0
-
-
-class _Slabs:
-    """One contiguous slab per sequence, placed first-fit in [0, budget)."""
-
-    name = "contiguous"
-
-    def reset(self, budget: int, max_seq_len: int) -> None:
-        self.budget, self.max_seq_len = budget, max_seq_len
-        self.slab: dict[int, tuple[int, int]] = {}  # seq id -> (offset, size)
-        self.used = 0
-        self.counters: dict[str, int] = {}
-
-    def slab_size(self, seq: Seq) -> int:
-        raise NotImplementedError
-
-    def refuse(self, req: Request) -> str | None:
-        if req.total_len > self.budget:
-            return f"needs {req.total_len} tokens, more than the whole {self.budget}-token budget"
-        return None
-
-    def _first_fit(self, size: int, skip: int | None = None) -> int | None:
-        return first_fit([s for sid, s in self.slab.items() if sid != skip], size, self.budget)
-
-    def need(self, seq: Seq) -> int:
-        return self.slab_size(seq)
-
-    def admit(self, seq: Seq) -> bool:
-        size = self.slab_size(seq)
-        off = self._first_fit(size)
-        if off is None:
-            return False
-        self.slab[seq.id] = (off, size)
-        self.used += size
-        return True
-
-    def grow(self, seq: Seq) -> bool:
-        return seq.live + 1 <= self.slab[seq.id][1]
-
-    def release(self, seq: Seq) -> None:
-        self.used -= self.slab.pop(seq.id)[1]
-
-    def capacity(self, seq: Seq) -> int:
-        return self.slab[seq.id][1]
-
-    def slots(self, seq: Seq, start: int = 0) -> list[tuple[int, int, int]]:
-        off, size = self.slab[seq.id]
-        return [(off, size, 0)]
-
-    def free_tokens(self) -> int:
-        return self.budget - self.used
-
-    usable_free = free_tokens
-
-
-class ContiguousMax(_Slabs):
-    name = "contiguous max"
-
-    def slab_size(self, seq: Seq) -> int:
-        return self.max_seq_len
-
-    def refuse(self, req: Request) -> str | None:
-        if self.max_seq_len > self.budget:
-            return f"a max_seq_len slab ({self.max_seq_len}) is larger than the {self.budget}-token budget"
-        return None
-
-
-class ContiguousOracle(_Slabs):
-    name = "contiguous oracle"
-
-    def slab_size(self, seq: Seq) -> int:
-        return seq.final
-
-
-class ContiguousPow2(_Slabs):
-    name = "contiguous pow2"
-
-    def reset(self, budget: int, max_seq_len: int) -> None:
-        super().reset(budget, max_seq_len)
-        self.cap = min(max_seq_len, budget)  # never grow past what the model or memory allows
-        self.counters = {"reallocations": 0, "copied_tokens": 0}
-
-    def slab_size(self, seq: Seq) -> int:
-        return min(1 << seq.live.bit_length(), self.cap)  # next power of two > live: room to grow
-
-    def grow(self, seq: Seq) -> bool:
-        off, size = self.slab[seq.id]
-        if seq.live + 1 <= size:
-            return True
-        new = min(2 * size, self.cap)
-        nxt = min((o for sid, (o, _) in self.slab.items() if o > off), default=self.budget)
-        if nxt - off < new:  # cannot extend in place: move (the old slab counts as free)
-            moved = self._first_fit(new, skip=seq.id)
-            if moved is None:
-                return False
-            off = moved
-            self.counters["copied_tokens"] += seq.live
-        self.slab[seq.id] = (off, new)
-        self.used += new - size
-        self.counters["reallocations"] += 1
-        return True
-
-
-class Paged:
-    """Fixed-size blocks on demand: stage 3's own BlockAllocator and BlockTable, one table per sequence."""
-
-    def __init__(self, block_size: int = 16):
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.block_size = block_size
-        self.name = f"paged (block {block_size})"
-
-    def reset(self, budget: int, max_seq_len: int) -> None:
-        self.budget, self.num_blocks = budget, budget // self.block_size
-        # The allocator's FIFO free list reuses the block freed longest ago, so as sequences come
-        # and go one sequence's blocks end up scattered, as in a real pool.
-        # (A budget smaller than one block has no pool at all: refuse() turns every request away.)
-        self.allocator = BlockAllocator(self.num_blocks) if self.num_blocks else None
-        self.tables: dict[int, BlockTable] = {}
-        self.counters: dict[str, int] = {}
-
-    def refuse(self, req: Request) -> str | None:
-        blocks = blocks_for(req.total_len, self.block_size)
-        if blocks > self.num_blocks:
-            return f"needs {blocks} blocks of {self.block_size}, the budget has {self.num_blocks}"
-        return None
-
-    def need(self, seq: Seq) -> int:
-        return blocks_for(seq.live, self.block_size) * self.block_size
-
-    def _append(self, table: BlockTable, tokens: int) -> bool:
-        if table.blocks_needed(tokens) > self.allocator.num_free:
-            return False
-        table.append_tokens(tokens)
-        return True
-
-    def admit(self, seq: Seq) -> bool:
-        table = BlockTable(self.block_size, self.allocator)
-        if not self._append(table, seq.live):
-            return False
-        self.tables[seq.id] = table
-        return True
-
-    def grow(self, seq: Seq) -> bool:
-        # The simulator asks only when the sequence's blocks are full, so the table first catches
-        # up with the tokens written into its last block since, then takes room for one more.
-        table = self.tables[seq.id]
-        return self._append(table, seq.live + 1 - table.num_tokens)
-
-    def release(self, seq: Seq) -> None:
-        self.tables.pop(seq.id).free()
-
-    def capacity(self, seq: Seq) -> int:
-        return len(self.tables[seq.id]) * self.block_size
-
-    def slots(self, seq: Seq, start: int = 0) -> list[tuple[int, int, int]]:
-        bs, first = self.block_size, start // self.block_size
-        return [(b * bs, bs, i * bs) for i, b in enumerate(self.tables[seq.id].blocks[first:], first)]
-
-    def free_tokens(self) -> int:  # the budget's tail past the last whole block is never usable
-        return self.usable_free() + self.budget % self.block_size
-
-    def usable_free(self) -> int:
-        return self.allocator.num_free * self.block_size if self.allocator else 0
 
 
 @dataclass(frozen=True)
@@ -433,7 +220,7 @@ class SimResult:
         return sorted(segs, key=lambda s: s.offset)
 
 
-def simulate(trace: list[Request], policy: Policy, budget_tokens: int | None = None, *,
+def simulate(trace: list[TraceRequest], policy: Policy, budget_tokens: int | None = None, *,
              budget_bytes: int | None = None, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
              bytes_per_token: int = OPT13B_BYTES_PER_TOKEN, progress: bool = False) -> SimResult:
     """Replay ``trace`` under ``policy`` (see the module docstring for the rules)."""
@@ -551,15 +338,12 @@ def simulate(trace: list[Request], policy: Policy, budget_tokens: int | None = N
                      dict(policy.counters))
 
 
-def default_policies(block_size: int = 16) -> list[Policy]:
-    return [ContiguousMax(), ContiguousPow2(), ContiguousOracle(), Paged(block_size)]
-
-
-def compare(trace: list[Request], policies: list[Policy] | None = None, **kw) -> dict[str, SimResult]:
+def compare(trace: list[TraceRequest], policies: list[Policy] | None = None, **kw) -> dict[str, SimResult]:
     """Run the same trace under each policy (default: all four); keyword args go to simulate."""
     return {p.name: simulate(trace, p, **kw) for p in (policies or default_policies())}
 
 
-def sweep_block_sizes(trace: list[Request], sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), **kw) -> dict[int, SimResult]:
+def sweep_block_sizes(trace: list[TraceRequest], sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+                      **kw) -> dict[int, SimResult]:
     """Paged allocation at each block size, same trace and budget."""
     return {b: simulate(trace, Paged(b), **kw) for b in sizes}

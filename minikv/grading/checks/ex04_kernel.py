@@ -35,7 +35,8 @@ import warnings
 
 import numpy as np
 import torch
-from hypothesis import Phase, given, settings, strategies as st
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 
 from minikv.attention import PagedInputs, paged_attention_ref, random_paged_inputs
 from minikv.blocks import blocks_for

@@ -1,6 +1,6 @@
 """Request traces: who arrives when, with how long a prompt, wanting how long an answer.
 
-The memory simulator (``minikv.sim``) replays a trace against a fixed KV budget. What a
+The memory simulator (``minikv.sim.memory``) replays a trace against a fixed KV budget. What a
 trace must get right is the *shape* of the length distributions, because that is what
 decides the waste: a server that reserves 2,048 tokens per request wastes most of it when
 the typical conversation is a few hundred tokens long, and the long tail decides how
@@ -29,7 +29,8 @@ tail, so the log-normals' own means are calibrated upward (for ShareGPT at 2,048
 
 Why the shape matters: with max-length slabs always busy, the share of a slab holding
 tokens, averaged over time, is about (E[prompt] + E[output^2] / (2 E[output])) / max_seq_len
-(a long answer holds its slab longer), so the tail, not just the mean, sets it. ``sigma`` is a parameter of ``Workload``; try others.
+(a long answer holds its slab longer), so the tail, not just the mean, sets it. ``sigma`` is a
+parameter of ``Workload``; try others.
 
 Arrivals are a Poisson process at ``rate`` requests per decode step (exponential gaps,
 floored to whole steps), as in the paper's experiments; ``rate=None`` puts every request
@@ -54,9 +55,10 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class Request:
-    """One request: arrives at decode step ``arrival`` with ``prompt_len`` tokens and will
-    generate ``output_len`` more (the simulator knows this; a real server does not)."""
+class TraceRequest:
+    """One request of a trace: arrives at decode step ``arrival`` with ``prompt_len`` tokens and will
+    generate ``output_len`` more (the simulator knows this; a real server does not). Only lengths:
+    the engine's own request, with token ids and sampling parameters, is ``minikv.sequence.Request``."""
 
     id: int
     arrival: int
@@ -130,7 +132,7 @@ def poisson_arrivals(n: int, rate: float | None, rng: np.random.Generator) -> np
 
 
 def make_trace(workload: str = "sharegpt", n: int = 1000, *, seed: int = 0,
-               rate: float | str | None = "default", max_seq_len: int = 2048) -> list[Request]:
+               rate: float | str | None = "default", max_seq_len: int = 2048) -> list[TraceRequest]:
     """A seeded synthetic trace of ``n`` requests shaped like ``workload`` (see module doc).
     ``rate`` is in requests per decode step; "default" takes the workload's, which is high
     enough that requests queue up under every policy; None: all arrive at step 0."""
@@ -148,11 +150,11 @@ def make_trace(workload: str = "sharegpt", n: int = 1000, *, seed: int = 0,
         prompts[bad] = _lognormal(rng, mp, w.sigma_prompt, bad.size)
         outputs[bad] = _lognormal(rng, mo, w.sigma_output, bad.size)
     arrivals = poisson_arrivals(n, w.rate if rate == "default" else rate, rng)
-    return [Request(i, int(a), int(p), int(o))
+    return [TraceRequest(i, int(a), int(p), int(o))
             for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs))]
 
 
-def describe(trace: list[Request]) -> str:
+def describe(trace: list[TraceRequest]) -> str:
     """One line: how many requests, mean and p50/p99 lengths, the arrival span."""
     def stats(x: np.ndarray) -> str:
         return f"mean {x.mean():.1f}, p50 {np.percentile(x, 50):.0f}, p99 {np.percentile(x, 99):.0f}"
@@ -204,7 +206,7 @@ def _int(value, name: str, where: str, minimum: int) -> int:
     return int(as_float)
 
 
-def load_trace(path: str | Path, *, rate: float | None = None, seed: int = 0) -> list[Request]:
+def load_trace(path: str | Path, *, rate: float | None = None, seed: int = 0) -> list[TraceRequest]:
     """Read your own request lengths (CSV or JSONL; keys ``prompt_len``, ``output_len``,
     optional ``arrival``). Rows without an arrival get Poisson arrivals at ``rate`` (or
     step 0 when ``rate`` is None). Requests are returned in arrival order."""
@@ -224,5 +226,5 @@ def load_trace(path: str | Path, *, rate: float | None = None, seed: int = 0) ->
     if not rows:
         raise ValueError(f"{path}: no requests in the file")
     fill = poisson_arrivals(len(rows), rate, np.random.default_rng(seed))
-    trace = [Request(i, a if a is not None else int(fill[i]), p, o) for i, (p, o, a) in enumerate(rows)]
+    trace = [TraceRequest(i, a if a is not None else int(fill[i]), p, o) for i, (p, o, a) in enumerate(rows)]
     return sorted(trace, key=lambda r: (r.arrival, r.id))

@@ -1,5 +1,5 @@
 """Checks for exercise 02 (contiguous): the learner's `first_fit`, `slab_waste` and
-`external_fragmentation`, against minikv.sim's own placement and books.
+`external_fragmentation`, against minikv.sim.memory's own placement and books.
 
 Hand-picked edge cases first (each names what it is about), then hypothesis-drawn slab layouts
 (any order, holes anywhere, request sizes that fit exactly, miss by one or exceed the budget),
@@ -16,16 +16,26 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minikv.grading import call, learner
-from minikv.sim import (ContiguousMax, ContiguousOracle, ContiguousPow2, Seq, external_tokens, first_fit,
-                        simulate, slab_waste)
-from minikv.traces import Request, make_trace
+from minikv.sim.memory import simulate
+from minikv.sim.policies import (
+    ContiguousMax,
+    ContiguousOracle,
+    ContiguousPow2,
+    Seq,
+    external_tokens,
+    first_fit,
+    slab_waste,
+)
+from minikv.sim.traces import TraceRequest, make_trace
 
 GRADED = ["first_fit", "slab_waste", "external_fragmentation"]
-FORBIDDEN = ["minikv.sim.first_fit", "minikv.sim.slab_waste", "minikv.sim.external_tokens", "minikv.sim._Slabs",
-             "minikv.sim.ContiguousMax", "minikv.sim.ContiguousOracle", "minikv.sim.ContiguousPow2"]
+FORBIDDEN = ["minikv.sim.policies.first_fit", "minikv.sim.policies.slab_waste", "minikv.sim.policies.external_tokens",
+             "minikv.sim.policies._Slabs", "minikv.sim.policies.ContiguousMax", "minikv.sim.policies.ContiguousOracle",
+             "minikv.sim.policies.ContiguousPow2"]
 
 MANY = settings(max_examples=300, deadline=None, database=None, derandomize=True)
 
@@ -135,7 +145,7 @@ def check_slab_waste_on_many_slabs(ns):
 
 
 @lru_cache(maxsize=1)
-def _short_trace() -> tuple[Request, ...]:
+def _short_trace() -> tuple[TraceRequest, ...]:
     return tuple(make_trace("sharegpt", 200, seed=2))
 
 
@@ -161,7 +171,8 @@ def check_slab_waste_matches_the_simulator(ns):
                                      f"the simulator's books say {want}")
                 totals += got
             books = [int(r.timeline[p][step]) for p in ("live", "reserved", "internal")]
-            assert totals.tolist() == books, f"step {step} of {r.policy}: your parts add up to {totals.tolist()}, the books to {books}"
+            assert totals.tolist() == books, (f"step {step} of {r.policy}: your parts add up to {totals.tolist()}, "
+                                              f"the books to {books}")
 
 
 # ---- external fragmentation --------------------------------------------------------------------
@@ -177,13 +188,13 @@ EXTERNAL_CASES = [  # (what, slabs, budget, request_size)
 
 
 def _reference_external(slabs, budget, size) -> int:
-    """minikv.sim's books for a request of `size` tokens at the head of the queue."""
+    """minikv.sim.memory's books for a request of `size` tokens at the head of the queue."""
     policy = ContiguousOracle()  # slab = the request's final length: here exactly `size`
     policy.reset(budget, max_seq_len=budget)
     for i, slab in enumerate(slabs):
         policy.slab[i] = slab
     policy.used = sum(s for _, s in slabs)
-    head = Seq(Request(len(slabs), 0, size, 0), size)
+    head = Seq(TraceRequest(len(slabs), 0, size, 0), size)
     return external_tokens(policy, None if policy.admit(head) else head)
 
 
@@ -231,7 +242,8 @@ def _with_first_fit(base, fn, log: dict):
             want = first_fit(slabs, size, self.budget)
             if got != want and "first" not in log:
                 log["first"] = (f"first_fit(slabs={_slabs(slabs)}, size={size}, budget={self.budget}) "
-                                f"returned {got!r}, minikv's first fit {want!r}" + _invalid(slabs, got, size, self.budget))
+                                f"returned {got!r}, minikv's first fit {want!r}"
+                                + _invalid(slabs, got, size, self.budget))
             return got
 
     return LearnersFirstFit()

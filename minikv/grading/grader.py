@@ -6,14 +6,14 @@ replaces each such region with a stub that raises `NotImplementedError`, keeping
 indentation, so the exercise notebook still runs top to bottom and every check then says
 "not implemented yet" instead of failing deep inside.
 
-Checks live in ``minikv/checks/exNN_*.py``, one module per exercise, and are plain functions
+Checks live in ``minikv/grading/checks/exNN_*.py``, one module per exercise, and are plain functions
 that take the learner's namespace and raise AssertionError with a short reason. There are two
 ways to run them:
 
 * ``python -m minikv grade PATH...`` (`grade_submission`), what graders use: the submission's
-  cells run in a child process (`minikv.sandbox`) with a time and a memory limit, the checks run
+  cells run in a child process (`minikv.grading.sandbox`) with a time and a memory limit, the checks run
   here against proxies of the learner's functions and classes, and verdicts and score are
-  computed and printed here alone. A static look at the cells (`minikv.delegation`) and a
+  computed and printed here alone. A static look at the cells (`minikv.grading.delegation`) and a
   runtime tripwire in the child fail a check whose graded code hands the work to minikv's own.
 * the notebook's last cell, ``grade("NN", globals())``: a quick self-check in the learner's own
   process, which says so.
@@ -25,6 +25,8 @@ import contextlib
 import copy
 import importlib
 import re
+import sys
+import textwrap
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -35,7 +37,7 @@ import nbformat
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = 'raise NotImplementedError("not implemented yet: {hint}")'
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 class NotImplementedYet(AssertionError):
@@ -101,7 +103,7 @@ def peek(obj, items: list) -> list[tuple[str, object]]:
     """Read several attributes (a name) or call several methods (a tuple: name, *args) of a learner
     object: [("ok", value) or ("raised", exception)] in order. On a sandbox proxy this is one round
     trip instead of one per item; a stub's NotImplementedError stops it, as in `call`."""
-    from minikv.sandbox import Proxy
+    from minikv.grading.sandbox import Proxy
 
     if isinstance(obj, Proxy):
         out = obj._gather(items)
@@ -121,7 +123,7 @@ def peek(obj, items: list) -> list[tuple[str, object]]:
 def run_checks(checks: list[Check], ns) -> list[CheckResult]:
     """Run each check on the learner's namespace (a dict, or the sandbox's proxy of one). If the
     submission's process dies, the check in flight and every later one fail with the reason."""
-    from minikv.sandbox import ChildDied, Delegation
+    from minikv.grading.sandbox import ChildDied, Delegation
 
     results, dead = [], None
     for check in checks:
@@ -168,12 +170,12 @@ def _learner_frame(frames: traceback.StackSummary) -> traceback.FrameSummary:
 
 def exercise_module(exercise: str):
     """The check module of exercise `exercise` ("01", "02", ...)."""
-    from minikv import checks
+    from minikv.grading.checks import MODULES
 
-    module_name = checks.MODULES.get(exercise)
+    module_name = MODULES.get(exercise)
     if module_name is None:
-        raise ValueError(f"no checks for exercise {exercise!r}; known: {', '.join(checks.MODULES)}")
-    return importlib.import_module(f"minikv.checks.{module_name}")
+        raise ValueError(f"no checks for exercise {exercise!r}; known: {', '.join(MODULES)}")
+    return importlib.import_module(f"minikv.grading.checks.{module_name}")
 
 
 def exercise_checks(exercise: str) -> list[Check]:
@@ -181,8 +183,9 @@ def exercise_checks(exercise: str) -> list[Check]:
     return list(exercise_module(exercise).CHECKS)
 
 
-SELF_CHECK = ("(self-check, run in this notebook's own process. Graders run `python -m minikv grade NOTEBOOK`, "
-              "which runs your code in a separate process and also fails code that calls minikv's own answer.)")
+SELF_CHECK = ("(self-check, run in this notebook's own process. Graders run\n"
+              " `python -m minikv grade NOTEBOOK`, which runs your code in a separate process\n"
+              " and also fails code that calls minikv's own answer.)")
 
 
 def grade(exercise: str, ns: dict, quiet: bool = False) -> list[CheckResult]:
@@ -195,8 +198,8 @@ def grade(exercise: str, ns: dict, quiet: bool = False) -> list[CheckResult]:
     results = run_checks(list(module.CHECKS), _Flagged(ns, flagged) if flagged else ns)
     if not quiet:
         print(SELF_CHECK)
-        for r in results:
-            print(r)
+        for line in result_lines(results):
+            print(line)
         print(score_line(results))
     return results
 
@@ -209,7 +212,7 @@ class _Flagged(dict):
         self.flagged = flagged
 
     def __getitem__(self, name):
-        from minikv.sandbox import Delegation
+        from minikv.grading.sandbox import Delegation
 
         if name in self.flagged:
             raise Delegation(self.flagged[name])
@@ -220,9 +223,24 @@ class _Flagged(dict):
 
 
 def _delegation(module, cells: list[str]) -> dict[str, str]:
-    from minikv.delegation import find_delegation
+    from minikv.grading.delegation import find_delegation
 
     return find_delegation(cells, list(getattr(module, "GRADED", ())), list(getattr(module, "FORBIDDEN", ())))
+
+
+SCREEN_WIDTH = 88  # a verdict wraps at words before JupyterLab's output wraps it mid-word
+
+
+def result_lines(results: list[CheckResult]) -> list[str]:
+    """A line per check, as a learner reads them: a message already printed (several checks calling
+    one unfinished function meet the same hint) is not repeated, and long lines wrap at words."""
+    seen, lines = set(), []
+    for r in results:
+        text = f"FAIL  {r.name}: the same as above" if not r.passed and r.message in seen else str(r)
+        seen.add(r.message)
+        lines.append(textwrap.fill(text, SCREEN_WIDTH, subsequent_indent=" " * 6, break_long_words=False,
+                                   break_on_hyphens=False))
+    return lines
 
 
 def score_line(results: list[CheckResult]) -> str:
@@ -284,6 +302,13 @@ class Report:
     reason: str = ""      # why it is not full marks, in one line ("" when it is)
     notes: list[str] = field(default_factory=list)  # cells that raised, and the like
     round_trips: int = 0  # calls from the grader into the submission's process
+    isolation: str = ""   # what kept the submission's process in, in words
+    tampered: list[str] = field(default_factory=list)  # grader files that changed while it was graded
+    integrity_seconds: float = 0.0  # the digests before and after
+
+    @property
+    def graded(self) -> bool:
+        return not self.tampered and not self.reason.startswith("not graded")
 
     @property
     def passed(self) -> int:
@@ -299,6 +324,8 @@ class Report:
         return {"path": self.path, "exercise": self.exercise, "passed": self.passed, "total": total,
                 "score": f"{self.passed}/{total}", "percent": 100 * self.passed // max(total, 1),
                 "seconds": round(self.seconds, 1), "round_trips": self.round_trips, "reason": self.reason,
+                "isolation": self.isolation, "tampered": self.tampered,
+                "integrity_seconds": round(self.integrity_seconds, 3),
                 "checks": {r.name: ("PASS" if r.passed else "FAIL") for r in self.results}}
 
 
@@ -308,12 +335,20 @@ def notebook_cells(nb, name: str) -> list[tuple[str, str]]:
             if cell.cell_type == "code" and not is_grading_cell(cell)]
 
 
-def grade_submission(path: str | Path, timeout: float = 300, memory_gb: float | None = 8) -> Report:
-    """Grade one submission in a sandbox: its cells run in a child process (`minikv.sandbox`)
-    limited to `timeout` seconds of wall clock and `memory_gb` of address space; the checks run
-    here, on proxies of its functions and classes. Never raises: a broken submission is a report
-    with a reason."""
-    from minikv.sandbox import ChildDied, Sandbox
+def grade_submission(path: str | Path, timeout: float = 300, memory_gb: float | None = 4,
+                     reference: dict[str, str] | None = None) -> Report:
+    """Grade one submission in a sandbox: its cells run in a child process (`minikv.grading.sandbox`),
+    isolated as far as this machine allows, limited to `timeout` seconds of wall clock and to
+    `memory_gb` of address space beyond what the interpreter needs after importing torch and minikv;
+    the checks run here, on proxies of its functions and classes. Never raises: a broken submission
+    is a report with a reason.
+
+    The grader's files (`minikv.grading.integrity`) are digested before the submission runs and
+    checked after its process and everything it started are gone: if anything changed, the report
+    has no score and names the changed files (`Report.tampered`). `reference`: a batch's digest from
+    before its first submission; if the files differ from it already, the submission is not graded."""
+    import minikv.grading.integrity as integrity
+    from minikv.grading.sandbox import ChildDied, Sandbox
 
     start = time.monotonic()
     report = Report(str(path))
@@ -327,9 +362,40 @@ def grade_submission(path: str | Path, timeout: float = 300, memory_gb: float | 
         return report
     cells = notebook_cells(nb, Path(path).name)
     flagged = _delegation(module, [source for source, _ in cells])
-    memory = int(memory_gb * 2**30) if memory_gb else None
+    budget = int(memory_gb * 2**30) if memory_gb else None
+    writes_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # the digest sees no .pyc of ours appear
     try:
-        with Sandbox(cells, timeout=timeout, memory_bytes=memory, flagged=flagged,
+        tick = time.monotonic()
+        integrity.compile_ours()
+        before = integrity.snapshot()
+        report.integrity_seconds = time.monotonic() - tick
+        if reference is not None and integrity.changed(reference, before):
+            report.reason = not_graded(integrity.changed(reference, before), "before this submission")
+            report.tampered = integrity.changed(reference, before)
+            return report
+        _run_in_sandbox(report, module, cells, flagged, timeout, budget, Sandbox, ChildDied)
+        tick = time.monotonic()
+        report.tampered = integrity.changed(before)
+        report.integrity_seconds += time.monotonic() - tick
+    finally:
+        sys.dont_write_bytecode = writes_bytecode
+        report.seconds = time.monotonic() - start
+    if report.tampered:
+        report.results = []  # no score: the checks may have run with changed code
+        report.reason = ("the grader's files changed while this submission was graded: "
+                         f"{_files(report.tampered)}; restore them (git checkout / reinstall) and grade again")
+        return report
+    if not report.results and not report.reason:
+        report.reason = "no checks ran"
+    if not report.reason:
+        failed = [r for r in report.results if not r.passed]
+        report.reason = f"{failed[0].name}: {failed[0].message}" if failed else ""
+    return report
+
+
+def _run_in_sandbox(report: Report, module, cells, flagged, timeout, budget, Sandbox, ChildDied) -> None:
+    try:
+        with Sandbox(cells, timeout=timeout, memory_budget=budget, flagged=flagged,
                      tripwires=tuple(getattr(module, "FORBIDDEN", ()))) as box:
             report.notes = box.notes
             if box.death:
@@ -341,13 +407,20 @@ def grade_submission(path: str | Path, timeout: float = 300, memory_gb: float | 
         report.reason = err.reason
     except Exception as err:  # noqa: BLE001 - the grader itself failed on this submission
         report.reason = _one_line(f"grader error: {type(err).__name__}: {err}")
-    report.seconds = time.monotonic() - start
-    if not report.results and not report.reason:
-        report.reason = "no checks ran"
-    if not report.reason:
-        failed = [r for r in report.results if not r.passed]
-        report.reason = f"{failed[0].name}: {failed[0].message}" if failed else ""
-    return report
+    if "box" in locals():
+        report.isolation = box.isolation
+        if box.leftovers:
+            report.notes.append(f"the submission left {box.leftovers} process(es) running: killed")
+
+
+def _files(paths: list[str]) -> str:
+    return ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+
+
+def not_graded(paths: list[str], when: str) -> str:
+    """The reason given to a submission graded with (possibly) changed grader files."""
+    return (f"not graded: the grader's files changed {when} ({_files(paths)}); restore them "
+            "(git checkout / reinstall) and grade again")
 
 
 class _Dead:
@@ -357,7 +430,7 @@ class _Dead:
         self.reason = reason
 
     def __contains__(self, *args):
-        from minikv.sandbox import ChildDied
+        from minikv.grading.sandbox import ChildDied
 
         raise ChildDied(self.reason)
 
@@ -365,7 +438,7 @@ class _Dead:
 
 
 def grade_notebook(path: str | Path, quiet: bool = False, timeout: float = 300,
-                   memory_gb: float | None = 8) -> list[CheckResult]:
+                   memory_gb: float | None = 4) -> list[CheckResult]:
     """`grade_submission`, printed: notes, a line per check and the score."""
     report = grade_submission(path, timeout=timeout, memory_gb=memory_gb)
     if not quiet:
@@ -374,13 +447,15 @@ def grade_notebook(path: str | Path, quiet: bool = False, timeout: float = 300,
 
 
 def print_report(report: Report) -> None:
+    if report.isolation:
+        print(report.isolation)
     for note in report.notes:
         print(f"note: {note}")
     if not report.results:
         print(f"FAIL  {report.path}: {report.reason}")
-    for r in report.results:
-        print(r)
-    print(score_line(report.results))
+    for line in result_lines(report.results):
+        print(line)
+    print("score: none (the grader's files changed)" if report.tampered else score_line(report.results))
 
 
 def strip_solutions(source: str) -> str:
@@ -405,7 +480,8 @@ def strip_solutions(source: str) -> str:
         if j == len(lines):
             raise ValueError(f"{BEGIN} without {END}")
         body = lines[i + 1:j]
-        hint = re.match(r"\s*#\s*hint:\s*(.*)", body[0]).group(1) if body and re.match(r"\s*#\s*hint:", body[0]) else "your code here"
+        hinted = re.match(r"\s*#\s*hint:\s*(.*)", body[0]) if body else None
+        hint = hinted.group(1) if hinted else "your code here"
         out.append(indent + STUB.format(hint=hint.replace('"', "'")))
         i = j + 1
     return "\n".join(out)

@@ -1,0 +1,209 @@
+"""What exercise 06's notebook uses besides its own code: the seam that plugs a policy into minikv's
+scheduler, a fake-runner driver that measures a policy, and the scripted scenarios it shows.
+
+Public on purpose: the notebook imports these (``from minikv.grading.public.ex06_scheduler import
+SCENARIOS, objective, run_fake, use_policy``), and a submission's process may read this module. There
+is no reference answer to copy: exercise 06 is a design exercise, graded by invariants and by an
+objective measured against the lecture's baseline (minikv's default policy) on workloads drawn at
+grading time; the checks live in ``minikv/grading/checks/ex06_scheduler.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+
+from minikv.blocks import blocks_for
+from minikv.grading.grader import call
+from minikv.scheduler import Scheduler
+
+# ---- the seam: a policy as two plain functions ----------------------------------------------
+
+class PolicyScheduler(Scheduler):
+    """minikv's scheduler with its policy replaced by ``admit(...) -> bool`` and ``victim(...) -> seq_id``,
+    plugged in through the scheduler's public policy hooks (``can_admit``, ``choose_victim``). A hook
+    given as None keeps minikv's own rule (the lecture's baseline).
+
+    Records each step's decisions in ``trace`` (request names, not global seq ids, so two engines can
+    be compared) and counts the tokens computed in ``computed``."""
+
+    def __init__(self, config, block_manager, runner, admit, victim):
+        super().__init__(config, block_manager, runner)
+        self.admit_fn, self.victim_fn = admit, victim
+        self.trace: list[tuple] = []
+        self.computed = 0
+
+    def can_admit(self, seq, num_tokens: int, step) -> bool:
+        if self.admit_fn is None:
+            return super().can_admit(seq, num_tokens, step)
+        bm = self.bm
+        args = (num_tokens, step.budget, bm.blocks_needed(seq.seq_id, num_tokens), bm.num_free_blocks,
+                [bm.num_tokens(s.seq_id) for s in self.running], bm.block_size)
+        ok = call(self.admit_fn, *args)
+        if not isinstance(ok, bool):
+            raise AssertionError(f"my_admit{args} returned {ok!r}; it must return True or False")
+        return ok
+
+    def choose_victim(self, seq, step):
+        if self.victim_fn is None:
+            return super().choose_victim(seq, step)
+        cands = self.victim_candidates(seq, step)
+        pairs = [(s.seq_id, len(self.bm.block_table(s.seq_id)), s.num_computed) for s in cands]
+        pick = call(self.victim_fn, seq.seq_id, pairs)
+        by_id = {s.seq_id: s for s in cands} | {seq.seq_id: seq}
+        if not isinstance(pick, int) or pick not in by_id:
+            raise AssertionError(f"my_victim({seq.seq_id}, {pairs}) returned {pick!r}; it must return "
+                                 f"{seq.seq_id} (needy) or a seq_id from the candidates")
+        return by_id[pick]
+
+    def schedule(self):
+        out = super().schedule()
+        n, budget = sum(x.num_tokens for x in out.scheduled), self.config.max_num_batched_tokens
+        if n > budget:
+            raise AssertionError(f"a step computed {n} tokens, over the budget of {budget}: my_admit admitted a "
+                                 "chunk larger than budget_left")
+        self.computed += n
+        name = lambda s: f"{s.request.request_id}"  # noqa: E731
+        self.trace.append((tuple((name(x.seq), x.start, x.num_tokens) for x in out.scheduled),
+                           tuple(name(s) for s in out.preempted)))
+        return out
+
+
+def use_policy(engine, admit, victim) -> PolicyScheduler:
+    """Give `engine` (a fresh `LLMEngine`, no request added yet) a scheduler with this policy."""
+    if engine.scheduler.has_unfinished():
+        raise ValueError("plug a policy into a fresh engine, before adding requests")
+    old = engine.scheduler
+    engine.scheduler = PolicyScheduler(old.config, old.bm, old.runner, admit, victim)
+    return engine.scheduler
+
+
+@functools.lru_cache(maxsize=1)
+def _tiny_model():
+    from minikv.models import tiny_random_llama
+
+    return tiny_random_llama()
+
+
+@dataclass
+class Run:
+    """One workload served under one policy, measured."""
+    trace: list[tuple]            # per step: ((request, start, tokens), ...), (preempted requests, ...)
+    tokens: dict[str, list[int]]  # request id -> the generated token ids
+    preemptions: int
+    steps: int                    # forward passes (engine steps) until every request finished
+    recomputed: int               # tokens computed beyond each request's prompt + output - 1: preemption's waste
+
+
+def run_fake(workload, admit, victim, max_steps: int = 3000) -> Run:
+    """Serve `workload` with the fake runner under a policy (admit and victim None: minikv's own, the
+    lecture's baseline, with its watermark of one block), check every request's tokens, and measure."""
+    from minikv.engine import LLMEngine
+    from minikv.sampling import SamplingParams
+    from minikv.sim.fake_runner import FakeRunner, reference_tokens
+
+    model = _tiny_model()
+    w = workload
+    eng = LLMEngine(model, None, block_size=w["block_size"], num_blocks=w["num_blocks"], verbose=False,
+                    max_num_batched_tokens=w["budget"], enable_chunked_prefill=w["chunked"],
+                    enable_prefix_caching=w["caching"], preemption_mode=w["mode"],
+                    watermark=0.01 if admit is None else 0, max_num_seqs=w["max_num_seqs"],
+                    runner=FakeRunner(w["num_blocks"], w["block_size"], model.config.vocab_size))
+    sched = use_policy(eng, admit, victim)
+    for i, (prompt, k) in enumerate(w["requests"]):
+        eng.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=k, ignore_eos=True))
+    tokens, steps = {}, 0
+    while eng.has_unfinished_requests():
+        if steps == max_steps:
+            raise AssertionError(f"the engine did not finish within {max_steps} steps: does your policy ever admit "
+                                 f"anyone? ({_describe(w)})")
+        try:
+            outputs = eng.step()
+        except AssertionError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the block manager refusing an allocation, a stall...
+            if "could not schedule anything" in str(err):
+                raise AssertionError(f"the engine stalled at step {steps}: nothing could run and my_admit refused "
+                                     f"the head of the waiting queue ({_describe(w)})") from None
+            raise AssertionError(f"the engine failed at step {steps} under your policy: {type(err).__name__}: "
+                                 f"{err} (did my_admit admit a chunk whose blocks are not free? {_describe(w)})"
+                                 ) from None
+        steps += 1
+        for o in outputs:
+            if o.finished:
+                tokens[o.request_id] = list(o.outputs[0].token_ids)
+    vocab = model.config.vocab_size
+    for i, (prompt, k) in enumerate(w["requests"]):
+        gold = reference_tokens(prompt, k, vocab)
+        if tokens.get(f"r{i}") != gold:
+            raise AssertionError(f"{_describe(w)}: request r{i} got {tokens.get(f'r{i}')}, the model's tokens are "
+                                 f"{gold}: a block was lost or overwritten")
+    least = sum(len(p) + k - 1 for p, k in w["requests"])
+    return Run(sched.trace, tokens, sched.num_preemptions, steps, sched.computed - least)
+
+
+# ---- the objective: your policy against the lecture's baseline on tight workloads ----------
+
+NUM_DRAWN = 40          # workloads per measurement
+MAX_RECOMPUTED = 0.90   # the target: recomputed tokens, yours / the baseline's, summed over the workloads
+MAX_STEPS = 1.10        # and forward passes, yours / the baseline's (no winning by admitting nobody)
+
+
+def tight_workload(rng: random.Random) -> dict:
+    """A memory-tight workload for the objective: 4-8 requests at once in a pool of at most half of what
+    they need together (but enough for the largest alone), chunked prefill, recompute, no prefix cache
+    (so every recomputed token is preemption's waste)."""
+    bs = rng.choice([2, 4, 8])
+    reqs = [([rng.randint(1, 90) for _ in range(rng.randint(4, 24))], rng.randint(4, 24))
+            for _ in range(rng.randint(4, 8))]
+    need = max(blocks_for(len(p) + k - 1, bs) for p, k in reqs)
+    total = sum(blocks_for(len(p) + k - 1, bs) for p, k in reqs)
+    return dict(block_size=bs, num_blocks=rng.randint(need + 1, max(need + 2, total // 2)),
+                budget=rng.choice([16, 32, 64]), chunked=True, caching=False, mode="recompute", max_num_seqs=8,
+                requests=reqs)
+
+
+def objective(admit, victim, seed: int, n: int = NUM_DRAWN) -> dict:
+    """Serve `n` tight workloads (drawn from `seed`) under the lecture's baseline (minikv's default policy)
+    and under (admit, victim): recomputed tokens, forward passes and preemptions, summed. The grader
+    calls this with a seed drawn at grading time."""
+    rng = random.Random(seed)
+    ws = [tight_workload(rng) for _ in range(n)]
+    base = [run_fake(w, None, None) for w in ws]
+    mine = [run_fake(w, admit, victim) for w in ws]
+    return dict(seed=seed, n=n,
+                base_recomputed=sum(r.recomputed for r in base), recomputed=sum(r.recomputed for r in mine),
+                base_steps=sum(r.steps for r in base), steps=sum(r.steps for r in mine),
+                base_preemptions=sum(r.preemptions for r in base), preemptions=sum(r.preemptions for r in mine))
+
+
+def _describe(w) -> str:
+    reqs = ", ".join(f"{len(p)}+{k}" for p, k in w["requests"])
+    return (f"pool {w['num_blocks']} blocks of {w['block_size']}, budget {w['budget']} tokens/step, "
+            f"chunked prefill {'on' if w['chunked'] else 'off'}, prefix caching {'on' if w['caching'] else 'off'}, "
+            f"{w['mode']}, max_num_seqs {w['max_num_seqs']}, requests (prompt+output tokens) {reqs}")
+
+
+# Scripted scenarios the notebook shows and the checks serve: recompute and swap, chunked prefill on and
+# off, pools small enough that minikv's default policy preempts in each.
+def _scenario(block_size, num_blocks, budget, requests, chunked=True, caching=False, mode="recompute",
+              max_num_seqs=8):
+    return dict(block_size=block_size, num_blocks=num_blocks, budget=budget, chunked=chunked, caching=caching,
+                mode=mode, max_num_seqs=max_num_seqs, requests=requests)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [1 + (seed * 131 + i * 17) % 97 for i in range(n)]
+
+
+def _requests(shape):
+    return [(_prompt(i, n), k) for i, (n, k) in enumerate(shape)]
+
+
+SCENARIOS = [
+    _scenario(4, 11, 8, _requests([(13, 7), (12, 11), (11, 12), (8, 4)])),
+    _scenario(2, 11, 8, _requests([(11, 6), (4, 6), (6, 10), (8, 6), (3, 7)]), mode="swap"),
+    _scenario(4, 8, 64, _requests([(9, 9), (8, 6), (4, 8), (4, 8)]), chunked=False, mode="swap"),
+    _scenario(2, 14, 64, _requests([(5, 7), (10, 12), (8, 12)]), chunked=False),
+]
