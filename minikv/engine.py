@@ -1,9 +1,10 @@
 """The engine: requests in, tokens out, one step at a time (vLLM's `LLM` and `LLMEngine` shapes).
 
-One `LLMEngine.step()` is one iteration of continuous batching:
+One `LLMEngine.step()` is one iteration of continuous batching, three short methods:
 
-    schedule (who computes which tokens, into which slots)  ->  copy-on-write block copies
-    ->  one forward of the model over every scheduled token  ->  sample  ->  stop checks
+    schedule     the scheduler decides who computes which tokens, into which slots
+    execute      copy-on-write block copies, then one forward of the model over every scheduled token
+    postprocess  sample, append, stop checks (stop strings through the `Detokenizer`), retire finished
 
 and returns the `RequestOutput`s that changed. `LLM.generate` is that loop with a progress bar.
 Data flows one way: request -> scheduler -> block manager -> model runner -> attention.
@@ -15,6 +16,8 @@ reserves its cache up front and then lives within it; admission and preemption a
 from __future__ import annotations
 
 import itertools
+import math
+import operator
 import re
 import time
 from pathlib import Path
@@ -22,12 +25,27 @@ from pathlib import Path
 import torch
 
 from minikv.blocks import blocks_for
+from minikv.detokenizer import Detokenizer
 from minikv.metrics import RequestMetrics, StepStats, summarize
 from minikv.prefix import BlockManager
+from minikv.runner import ModelRunner, Runner, SeqStep
 from minikv.sampling import SamplingParams, make_generator, sample
-from minikv.scheduler import Scheduler, SchedulerConfig
-from minikv.sequence import Request, Sequence, SeqStatus
-from minikv.sizing import fmt_bytes, kv_bytes_per_token
+from minikv.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from minikv.sequence import Request, SeqStatus, Sequence
+from minikv.sizing import fmt_bytes, kv_bytes_per_block
+from minikv.validation import (
+    InvalidArgument,
+    InvalidArgumentType,
+    check_block_size,
+    check_bool,
+    check_int,
+    check_long_prefill_token_threshold,
+    check_model,
+    check_num_blocks,
+    check_number,
+    check_preemption_mode,
+    check_tokenizer,
+)
 
 CPU_KV_CACHE_MEMORY = 1 << 30      # the CPU default pool: 1 GiB (a GPU gets a share of its free memory)
 GPU_KV_CACHE_FRACTION = 0.5        # of the device memory free once the weights are loaded
@@ -37,8 +55,8 @@ GPU_KV_CACHE_FRACTION = 0.5        # of the device memory free once the weights 
 class CompletionOutput:
     """One sample of a request, read live from its sequence (so streaming costs nothing per step)."""
 
-    def __init__(self, seq: Sequence, tokenizer):
-        self._seq, self._tok = seq, tokenizer
+    def __init__(self, seq: Sequence, detokenizer: Detokenizer):
+        self._seq, self._detok = seq, detokenizer
         self.index = seq.index
 
     @property
@@ -47,12 +65,7 @@ class CompletionOutput:
 
     @property
     def text(self) -> str:
-        seq = self._seq
-        if self._tok is None:
-            return ""
-        if seq.request.params.stop:   # detokenized incrementally, to find stop strings (see _stop_string)
-            return seq.text
-        return self._tok.decode(seq.output_token_ids, skip_special_tokens=True)
+        return self._detok.output_text(self._seq)
 
     @property
     def finish_reason(self) -> str | None:
@@ -66,8 +79,8 @@ class CompletionOutput:
 class RequestOutput:
     """A request's prompt and its n samples so far; the same object is updated as it runs."""
 
-    def __init__(self, request: Request, tokenizer):
-        self._request, self._tok = request, tokenizer
+    def __init__(self, request: Request, detokenizer: Detokenizer):
+        self._request, self._detok = request, detokenizer
         self.request_id = request.request_id
         self.prompt = request.prompt
         self.prompt_token_ids = request.prompt_token_ids
@@ -75,7 +88,7 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        return [CompletionOutput(s, self._tok) for s in self._request.seqs]
+        return [CompletionOutput(s, self._detok) for s in self._request.seqs]
 
     @property
     def finished(self) -> bool:
@@ -91,14 +104,18 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_bytes(value: int | float | str) -> int:
-    """``2 * 2**30``, ``"2GiB"``, ``"512 MB"``, ``"1.5gib"`` -> bytes."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", str(value).lower())
+def parse_bytes(value: int | float | str, param: str = "a memory size") -> int:
+    """``2 * 2**30``, ``"2GiB"``, ``"512 MB"``, ``"1.5gib"`` -> bytes. `param` names the argument in errors."""
+    must = "a positive number of bytes or a string like '2GiB' or '512MB'"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value > 0 and math.isfinite(value):
+            return int(value)
+        raise InvalidArgument(param, value, must)
+    if not isinstance(value, str):
+        raise InvalidArgumentType(param, value, must)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", value.lower())
     if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"a memory size must be a positive number of bytes or a string like '2GiB' or '512MB'; "
-                         f"got {value!r}")
+        raise InvalidArgument(param, value, must)
     return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
 
 
@@ -111,16 +128,14 @@ def kv_pool_blocks(model, block_size: int, num_blocks: int | None, kv_cache_memo
     what ``max_num_seqs`` sequences of full context could ever use.
     """
     param = next(model.parameters())
-    per_block = kv_bytes_per_token(model.config, param.dtype) * block_size
+    per_block = kv_bytes_per_block(model.config, block_size, param.dtype)
     if num_blocks is not None:
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
-        return num_blocks, per_block
+        return check_num_blocks(num_blocks), per_block
     if kv_cache_memory is not None:
-        blocks = parse_bytes(kv_cache_memory) // per_block
+        blocks = parse_bytes(kv_cache_memory, "kv_cache_memory") // per_block
         if blocks < 1:
-            raise ValueError(f"kv_cache_memory={kv_cache_memory!r} holds no block: one block of {block_size} "
-                             f"tokens takes {fmt_bytes(per_block)}; give at least that much")
+            raise InvalidArgument("kv_cache_memory", kv_cache_memory,
+                                  f"at least one block: one block of {block_size} tokens takes {fmt_bytes(per_block)}")
         return blocks, per_block
     if param.device.type == "cuda":
         budget = int(torch.cuda.mem_get_info(param.device)[0] * GPU_KV_CACHE_FRACTION)
@@ -136,56 +151,91 @@ class LLMEngine:
 
     `runner` replaces the model runner (tests pass a fake one that needs no model forward).
     ``watermark`` is the share of the pool kept free when admitting (at least one block when > 0).
+    ``long_prefill_token_threshold`` (vLLM V1's name and meaning) caps one request's prefill chunk per
+    step, within an unchanged ``max_num_batched_tokens``; None or 0 is no cap. It needs chunked prefill
+    (refused without it, as vLLM needs chunked prefill for partial prefills).
+    ``prepack_linears`` (None: on the CPU in fp32) is the runner's oneDNN weight prepacking;
+    ``cpu_kernel`` (None: on the CPU in fp32, when it builds) its C++ decode attention, and ``compile``
+    (False) its torch.compile of decode steps (see ModelRunner). ``decode_graphs`` (False) runs decode
+    steps through CUDA graphs captured at start, one per batch size (``minikv.speed.graphs``), with one
+    extra pool block as their scratch; on the CPU the same plan runs eagerly (a test of it, not a speed-up).
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory=None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 long_prefill_token_threshold: int | None = None,
                  preemption_mode: str = "recompute", swap_space=None, watermark: float = 0.01,
-                 runner=None, verbose: bool = True):
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
-        if not 0 <= watermark < 1:
-            raise ValueError(f"watermark is a share of the pool in [0, 1), got {watermark!r}")
+                 runner=None, verbose: bool = True, prepack_linears: bool | None = None,
+                 cpu_kernel: bool | None = None, compile: bool = False, decode_graphs: bool = False):
+        check_model(model)
+        check_tokenizer(tokenizer)
+        check_block_size(block_size)
+        check_int("num_blocks", num_blocks, 1, "KV blocks in the pool", optional=True)
+        check_int("max_num_seqs", max_num_seqs, 1, "sequences running at once")
+        check_int("max_num_batched_tokens", max_num_batched_tokens, 1, "tokens computed per step", optional=True)
+        check_bool("enable_prefix_caching", enable_prefix_caching)
+        check_bool("enable_chunked_prefill", enable_chunked_prefill)
+        check_long_prefill_token_threshold(long_prefill_token_threshold, enable_chunked_prefill)
+        check_preemption_mode(preemption_mode)
+        for name, size in (("kv_cache_memory", kv_cache_memory), ("swap_space", swap_space)):
+            if size is not None:
+                parse_bytes(size, name)
+        check_number("watermark", watermark, 0, 1, high_open=True, what="share of the pool kept free when admitting")
+        if runner is not None and not isinstance(runner, Runner):
+            raise InvalidArgumentType("runner", runner, "None or a model runner (execute, copy_blocks, swap_out, "
+                                      "swap_in: see minikv.runner.Runner)")
+        check_bool("verbose", verbose)
+        check_bool("compile", compile)
+        check_bool("decode_graphs", decode_graphs)
+        if decode_graphs and runner is not None:
+            raise InvalidArgument("decode_graphs", decode_graphs, message=(
+                "decode_graphs=True captures minikv's own ModelRunner; it cannot be combined with runner="))
+        for name, lever in (("prepack_linears", prepack_linears), ("cpu_kernel", cpu_kernel)):
+            if lever is not None:
+                check_bool(name, lever)
         self.model, self.tokenizer = model, tokenizer
         config = model.config
         self.max_model_len = config.max_position_embeddings
         eos = getattr(config, "eos_token_id", None)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
+        if getattr(tokenizer, "eos_token_id", None) is not None:
             eos = tokenizer.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
         self.vocab_size = config.vocab_size
 
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, self.max_model_len)
-        if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
 
         self.num_blocks, self.bytes_per_block = kv_pool_blocks(
             model, block_size, num_blocks, kv_cache_memory, max_num_seqs, self.max_model_len)
         self.block_size = block_size
         swap_blocks = 0
         if preemption_mode == "swap":
-            swap_blocks = self.num_blocks if swap_space is None else parse_bytes(swap_space) // self.bytes_per_block
+            swap_blocks = (self.num_blocks if swap_space is None
+                           else parse_bytes(swap_space, "swap_space") // self.bytes_per_block)
         if verbose:
             print(f"minikv: KV cache pool of {self.num_blocks} blocks x {block_size} tokens "
                   f"= {self.num_blocks * block_size} tokens, {fmt_bytes(self.num_blocks * self.bytes_per_block)}")
 
         self.bm = BlockManager(self.num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-        if runner is None:
-            from minikv.runner import ModelRunner
-            runner = ModelRunner(model, self.num_blocks, block_size)
-        self.runner = runner
+        # With decode graphs the runner's pool has one block more than the block manager's: the scratch
+        # block that padding rows write to and read from, which no sequence is ever given.
+        self.runner = runner if runner is not None else ModelRunner(
+            model, self.num_blocks + (1 if decode_graphs else 0), block_size, prepack_linears=prepack_linears,
+            cpu_kernel=cpu_kernel, compile=compile)
+        if decode_graphs:
+            from minikv.speed.graphs import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(self.runner, max_num_seqs, blocks_for(self.max_model_len, block_size),
+                                              scratch_block=self.num_blocks)
+        self.detokenizer = Detokenizer(tokenizer)
         self.device = next(model.parameters()).device
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
             watermark_blocks=max(1, int(watermark * self.num_blocks)) if watermark > 0 else 0,
-            swap_blocks=swap_blocks), self.bm, runner)
+            swap_blocks=swap_blocks, long_prefill_token_threshold=long_prefill_token_threshold),
+            self.bm, self.runner)
         self.requests: dict[str, Request] = {}
         self.step_stats: list[StepStats] = []
         self._aborted: list[RequestOutput] = []
@@ -194,56 +244,67 @@ class LLMEngine:
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
-                raise ValueError(f"a dict prompt needs the key 'prompt_token_ids'; got keys {sorted(prompt)}")
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                raise InvalidArgument("prompt", prompt, message="a dict prompt needs the key 'prompt_token_ids'; "
+                                      f"got keys {sorted(prompt)}")
+            try:   # a list, a tuple, an array or a tensor of integers
+                ids = [operator.index(t) for t in prompt["prompt_token_ids"]]
+            except TypeError:
+                raise InvalidArgumentType("prompt_token_ids", prompt["prompt_token_ids"],
+                                          "a list of integer token ids") from None
+            return prompt.get("prompt"), ids
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer: pass tokenizer=... or give token ids "
-                                 "({'prompt_token_ids': [...]})")
+                raise InvalidArgument("prompt", prompt, message="a text prompt needs a tokenizer: pass tokenizer=... "
+                                      "or give token ids ({'prompt_token_ids': [...]})")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
-        raise ValueError(f"a prompt is a str, a list of token ids or {{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
+        raise InvalidArgumentType("prompt", prompt, "a str, a list of token ids or {'prompt_token_ids': [...]}")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         """Queue one request; every check happens here, so a bad request never reaches the batch."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidArgumentType("params", params, "a SamplingParams")
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use; give each request its own id")
+            raise InvalidArgument("request_id", request_id, message=f"request id {request_id!r} is already in use; "
+                                  "give each request its own id")
         text, ids = self._tokenize(prompt)
         if not ids:
-            raise ValueError("empty prompt: give at least one token (a text prompt must tokenize to something)")
+            raise InvalidArgument("prompt", prompt, message="empty prompt: give at least one token (a text prompt "
+                                  "must tokenize to something)")
         if not all(0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size}) (the model's vocabulary)")
+            raise InvalidArgument("prompt", prompt, message=f"prompt token ids must lie in [0, {self.vocab_size}) "
+                                  "(the model's vocabulary)")
         if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens is longer than the model's context of "
-                             f"{self.max_model_len} tokens (max_position_embeddings); shorten it")
+            raise InvalidArgument("prompt", prompt, message=f"prompt of {len(ids)} tokens is longer than the model's "
+                                  f"context of {self.max_model_len} tokens (max_position_embeddings); shorten it")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to detokenize; use stop_token_ids instead")
-        if params.n > self.scheduler.config.max_num_seqs:
-            raise ValueError(f"n={params.n} samples cannot run together with max_num_seqs="
-                             f"{self.scheduler.config.max_num_seqs}; lower n or raise max_num_seqs")
+            raise InvalidArgument("stop", params.stop, message="stop strings need a tokenizer to detokenize; use "
+                                  "stop_token_ids instead")
+        cfg = self.scheduler.config
+        if params.n > cfg.max_num_seqs:
+            raise InvalidArgument("n", params.n, message=f"n={params.n} samples cannot run together with "
+                                  f"max_num_seqs={cfg.max_num_seqs}; lower n or raise max_num_seqs")
         # The most K/V one sequence ever holds: every token but the last one sampled.
         longest = min(len(ids) + params.max_tokens - 1, self.max_model_len)
         need = blocks_for(longest, self.block_size)
         if need > self.num_blocks:
-            raise ValueError(f"request {request_id!r} cannot fit even alone: {len(ids)} prompt + {params.max_tokens} "
-                             f"max_tokens need up to {need} blocks of {self.block_size} tokens, but the pool has "
-                             f"{self.num_blocks}; give the cache more memory or lower max_tokens")
-        cfg = self.scheduler.config
+            raise InvalidArgument("max_tokens", params.max_tokens, message=(
+                f"request {request_id!r} cannot fit even alone: {len(ids)} prompt + {params.max_tokens} max_tokens "
+                f"need up to {need} blocks of {self.block_size} tokens, but the pool has {self.num_blocks}; give "
+                "the cache more memory or lower max_tokens"))
         if not cfg.enable_chunked_prefill and longest > cfg.max_num_batched_tokens:
-            raise ValueError(f"without chunked prefill a sequence of up to {longest} tokens must fit in one step, "
-                             f"but max_num_batched_tokens={cfg.max_num_batched_tokens}; raise it or enable "
-                             f"chunked prefill")
+            raise InvalidArgument("max_tokens", params.max_tokens, message=(
+                f"without chunked prefill a sequence of up to {longest} tokens must fit in one step, but "
+                f"max_num_batched_tokens={cfg.max_num_batched_tokens}; raise it or enable chunked prefill"))
         req = Request(request_id, text, ids, params,
                       RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter()))
         seq = Sequence(req, 0, list(ids), generator=make_generator(params.seed, self.device))
-        self._init_detok(seq)
+        self.detokenizer.start(seq)
         req.seqs.append(seq)
-        req.output = RequestOutput(req, self.tokenizer)
+        req.output = RequestOutput(req, self.detokenizer)
         self.requests[request_id] = req
         self.scheduler.add(seq)
 
@@ -273,40 +334,39 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the outputs that changed (a new token, a finish, an abort)."""
-        from minikv.runner import SeqStep
-
+        """One iteration: schedule -> execute -> postprocess. Returns the outputs that changed
+        (a new token, a finish, an abort)."""
         t0 = time.perf_counter()
         changed, self._aborted = self._aborted, []
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler could not schedule anything although requests are pending "
-                                   f"(waiting {len(self.scheduler.waiting)}, swapped {len(self.scheduler.swapped)}, "
-                                   f"free blocks {self.bm.num_free_blocks}): this is a bug in minikv")
-            return changed
-        if out.copies:
-            self.runner.copy_blocks(out.copies)
+        batch = self._schedule()
+        if batch.scheduled:
+            logits = self._execute(batch)
+            changed += self._postprocess(batch, logits, t0)
+        return changed
+
+    def _schedule(self) -> SchedulerOutput:
+        """Who computes which tokens this step, into which slots (blocks are allocated here)."""
+        batch = self.scheduler.schedule()
+        if not batch.scheduled and self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler could not schedule anything although requests are pending "
+                               f"(waiting {len(self.scheduler.waiting)}, swapped {len(self.scheduler.swapped)}, "
+                               f"free blocks {self.bm.num_free_blocks}): this is a bug in minikv")
+        return batch
+
+    def _execute(self, batch: SchedulerOutput) -> torch.Tensor:
+        """Copy-on-write copies, then one forward over every scheduled token: logits of the samplers."""
+        if batch.copies:
+            self.runner.copy_blocks(batch.copies)
         steps = [SeqStep(s.seq.seq_id, s.seq.token_ids[s.start:s.start + s.num_tokens], s.start,
-                         self.bm.block_table(s.seq.seq_id), s.slots, s.wants_logits) for s in out.scheduled]
-        logits = self.runner.execute(steps)
+                         self.bm.block_table(s.seq.seq_id), s.slots, s.wants_logits) for s in batch.scheduled]
+        return self.runner.execute(steps)
 
-        # Which logits row each sequence samples from. A request's first sample forks it into its
-        # n sequences (they share the prompt's blocks) and each draws from the same row.
-        rows, flat = [], []
-        for i, s in enumerate(s for s in out.scheduled if s.wants_logits):
-            family = [s.seq] if s.seq.request.forked else self._fork(s.seq)
-            rows += [i] * len(family)
-            flat += family
-        tokens = []
-        if flat:
-            if len(rows) != logits.shape[0]:
-                logits = logits[torch.tensor(rows, device=logits.device)]
-            tokens = sample(logits, [s.request.params for s in flat], [s.generator for s in flat])
-
+    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor, t0: float) -> list[RequestOutput]:
+        """Sample, append each token, retire what finished, record the step's numbers."""
+        seqs, tokens = self._sample(batch, logits)
         now = time.perf_counter()
         touched = {}
-        for seq, tok in zip(flat, tokens):
+        for seq, tok in zip(seqs, tokens):
             self._append_token(seq, tok, now)
             touched[seq.request.request_id] = seq.request
         self.scheduler.remove_finished()
@@ -314,16 +374,33 @@ class LLMEngine:
             if req.finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
-            changed.append(req.output)
+        self._record(batch, t0, now)
+        return [req.output for req in touched.values()]
 
+    def _sample(self, batch: SchedulerOutput, logits: torch.Tensor) -> tuple[list[Sequence], list[int]]:
+        """One token for each sequence whose chunk reached its newest token.
+
+        A request's first sample forks it into its n sequences (they share the prompt's blocks),
+        and each draws from the same logits row."""
+        rows, seqs = [], []
+        for i, s in enumerate(s for s in batch.scheduled if s.wants_logits):
+            family = [s.seq] if s.seq.request.forked else self._fork(s.seq)
+            rows += [i] * len(family)
+            seqs += family
+        if not seqs:
+            return [], []
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return seqs, sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
+
+    def _record(self, batch: SchedulerOutput, t0: float, now: float) -> None:
         sched, bm = self.scheduler, self.bm
         self.step_stats.append(StepStats(
             step=len(self.step_stats), time=now, duration=now - t0, num_running=len(sched.running),
             num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
             blocks_used=self.num_blocks - bm.num_free_blocks, blocks_cached=len(bm.cache.evictable),
-            blocks_free=bm.num_free_blocks, prefill_tokens=out.prefill_tokens, decode_tokens=out.decode_tokens,
-            preemptions=len(out.preempted)))
-        return changed
+            blocks_free=bm.num_free_blocks, prefill_tokens=batch.prefill_tokens, decode_tokens=batch.decode_tokens,
+            preemptions=len(batch.preempted)))
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """After its prompt: the request's other n-1 samples share every block of `seq` (copy-on-write)."""
@@ -334,7 +411,7 @@ class LLMEngine:
             child = Sequence(req, i, list(seq.token_ids), status=SeqStatus.RUNNING, num_computed=seq.num_computed,
                              generator=make_generator(None if req.params.seed is None else req.params.seed + i,
                                                       self.device))
-            self._init_detok(child)
+            self.detokenizer.start(child)
             self.bm.fork(seq.seq_id, child.seq_id)
             self.scheduler.running.append(child)
             req.seqs.append(child)
@@ -343,6 +420,7 @@ class LLMEngine:
 
     # -- stopping ------------------------------------------------------------------------------
     def _append_token(self, seq: Sequence, tok: int, now: float) -> None:
+        """Append a sampled token; finish the sequence on a stop string or token, EOS, or its length."""
         seq.token_ids.append(tok)
         m = seq.request.metrics
         if seq.index == 0:
@@ -350,7 +428,7 @@ class LLMEngine:
         if m.first_token_time is None:
             m.first_token_time = now
         p = seq.request.params
-        reason, stop_string = None, bool(p.stop) and self._stop_string(seq)
+        reason, stop_string = None, bool(p.stop) and self.detokenizer.step(seq)
         if stop_string or (tok in self.eos_token_ids and not p.ignore_eos) or (
                 p.stop_token_ids and tok in p.stop_token_ids):
             reason = "stop"
@@ -358,39 +436,8 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             if p.stop and not stop_string:
-                self._flush_detok(seq)   # the text's last characters may still be pending
+                self.detokenizer.flush(seq)   # the text's last characters may still be pending
             self.scheduler.finish(seq, reason)
-
-    def _init_detok(self, seq: Sequence) -> None:
-        # Decode from a few prompt tokens back, so the first output token gets its leading space right.
-        seq.prefix_offset = max(seq.num_prompt_tokens - 5, 0)
-        seq.read_offset = seq.num_prompt_tokens
-
-    def _stop_string(self, seq: Sequence) -> bool:
-        """Detokenize the newest token incrementally; on a stop string, cut the text before it."""
-        tok, ids = self.tokenizer, seq.token_ids
-        before = tok.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-        now = tok.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
-        if len(now) <= len(before) or now.endswith("\ufffd"):   # an incomplete character: wait for more
-            return False
-        old_len = len(seq.text)
-        seq.text += now[len(before):]
-        seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-        longest = max(len(s) for s in seq.request.params.stop)
-        start = max(0, old_len - longest + 1)
-        hits = [i for i in (seq.text.find(s, start) for s in seq.request.params.stop) if i >= 0]
-        if hits:
-            seq.text = seq.text[:min(hits)]
-            seq.read_offset = len(ids)
-            return True
-        return False
-
-    def _flush_detok(self, seq: Sequence) -> None:
-        if seq.read_offset < len(seq.token_ids):
-            tok, ids = self.tokenizer, seq.token_ids
-            before = tok.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-            seq.text += tok.decode(ids[seq.prefix_offset:], skip_special_tokens=True)[len(before):]
-            seq.read_offset = len(ids)
 
 
 class LLM:
@@ -403,6 +450,8 @@ class LLM:
     """
 
     def __init__(self, model, tokenizer=None, **engine_args):
+        """Every argument is checked here (minikv.validation): a bad one raises `InvalidArgument`
+        (a ValueError) whose ``.param`` names it and whose message says what it must be."""
         if isinstance(model, (str, Path)):
             from minikv.models import load_model
             model, loaded_tok = load_model(str(model))
@@ -413,18 +462,25 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order."""
+        check_bool("use_tqdm", use_tqdm)
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                  and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         prompts = list(prompts)
         if not prompts:
-            raise ValueError("no prompts given: pass a str, a list of them, or token-id lists")
+            raise InvalidArgument("prompts", prompts, "a str, a list of them, or token-id lists (none given)")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
+            must = "None, a SamplingParams, or a list of them (one per prompt)"
+            if not isinstance(sampling_params, (list, tuple)):
+                raise InvalidArgumentType("sampling_params", sampling_params, must)
             params = list(sampling_params)
+            if not all(isinstance(p, SamplingParams) for p in params):
+                raise InvalidArgumentType("sampling_params", sampling_params, must)
             if len(params) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams: give one, or one per prompt")
+                raise InvalidArgument("sampling_params", sampling_params, message=(
+                    f"{len(prompts)} prompts but {len(params)} SamplingParams: give one, or one per prompt"))
         ids = [str(next(self._ids)) for _ in prompts]
         eng = self.engine
         try:
@@ -453,7 +509,8 @@ class LLM:
     def chat(self, conversations, sampling_params=None, use_tqdm: bool = True, **template_kwargs):
         """Apply the tokenizer's chat template to each conversation (a list of {"role", "content"})."""
         if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer with a chat template: pass tokenizer=...")
+            raise InvalidArgument("tokenizer", None, message="chat needs a tokenizer with a chat template: "
+                                  "pass tokenizer=...")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         prompts = []

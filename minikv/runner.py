@@ -14,8 +14,9 @@ fresh queries, keys and values. That function
 
 1. writes the layer's new K/V into the layer's block pool at the step's slots, then
 2. reads each sequence's whole K/V back *through its block table*: decode tokens by paged
-   attention (the Triton kernel on CUDA; on the CPU a vectorized gather + grouped matmul), prefill
-   chunks causally over their cached prefix (prefix-cache hits, earlier chunks) plus themselves.
+   attention (the Triton kernel on CUDA, a C++ kernel on the CPU, both reading K/V where it lies;
+   without them a vectorized gather + grouped matmul), prefill chunks causally over their cached
+   prefix (prefix-cache hits, earlier chunks) plus themselves, a tile of queries at a time.
 
 Everything that describes the step's layout (slots, gather indices, masks) is built once per step
 in :class:`StepPlan` and handed to every layer through the forward's keyword arguments, so the
@@ -25,19 +26,29 @@ otherwise build a dense [T, T] causal mask that means nothing for a flattened ba
 
 Only the last token of each sequence that samples this step goes through the ``lm_head``
 (``logits_to_keep`` takes their indices): the vocabulary projection is the largest matmul there is.
+
+On the CPU (fp32) the runner also prepacks every ``nn.Linear`` weight once, at start, into oneDNN's
+blocked layout, as vLLM's CPU build does: a step's small-M matmuls then run oneDNN's brgemm kernels
+instead of sgemm on the raw weight (`python -m minikv bench linear` measures the difference). The
+packed copies are swapped in only while :meth:`ModelRunner.execute` runs, so the model the user
+passed computes with stock PyTorch everywhere else.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from minikv.blocks import blocks_for
-from minikv.contiguous import cache_shape
+from minikv.dispatch import kernel_wanted
+from minikv.sizing import cache_shape, kv_bytes_per_block
+from minikv.speed.linears import PackedLinears
+from minikv.validation import check_block_size, check_num_blocks
 
-__all__ = ["ATTN_NAME", "ModelRunner", "SeqStep", "StepPlan", "paged_attention_forward"]
+__all__ = ["ATTN_NAME", "ModelRunner", "Runner", "SeqStep", "StepPlan", "paged_attention_forward"]
 
 ATTN_NAME = "minikv_paged"
 
@@ -54,6 +65,24 @@ class SeqStep:
     wants_logits: bool  # sample after this step: a decode, or a prefill's last chunk
 
 
+@runtime_checkable
+class Runner(Protocol):
+    """What the engine and the scheduler ask of a model runner: `ModelRunner` here, and
+    ``minikv.sim.fake_runner.FakeRunner``, which needs no model. Blocks are the block manager's ints."""
+
+    def execute(self, steps: list[SeqStep]) -> torch.Tensor:
+        """Write the steps' K/V at their slots and run them; logits [one row per step that wants them, vocab]."""
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: copy each (source, destination) block, in every layer, before the next forward."""
+
+    def swap_out(self, blocks: list[int]) -> object:
+        """Those blocks' K/V, all layers, copied off the pool (preemption by swap)."""
+
+    def swap_in(self, data: object, blocks: list[int]) -> None:
+        """Write what `swap_out` returned back into (possibly other) blocks."""
+
+
 @dataclass
 class AttnGroup:
     """Sequences whose queries are attended together, padded to the group's longest query and block run.
@@ -62,7 +91,8 @@ class AttnGroup:
     q_valid: index of the real rows among the S*Q padded query rows (None: all are real)
     out_index: token index of each real query row, in q_valid order
     block_tables [S, W]: each sequence's blocks (padding repeats a real block; its keys are masked)
-    bias [KVH*S, G*Q, W*block_size]: 0 where a query may attend a key, -inf elsewhere (causal + sequence end)
+    bias [KVH*S, G*Q, W*block_size]: 0 where a query may attend a key, -inf elsewhere (causal + sequence end);
+        None for a long prefill, whose bias is made per tile of q_tile queries from q_pos [S, Q]
     seq_lens [S] int32: the kernel's input (decode groups on the kernel path only)
     """
 
@@ -70,10 +100,13 @@ class AttnGroup:
     q_valid: torch.Tensor | None
     out_index: torch.Tensor
     block_tables: torch.Tensor
-    bias: torch.Tensor
+    bias: torch.Tensor | None
     q_len: int
+    q_pos: torch.Tensor  # [S, Q] each query row's position in its sequence (padding rows: 0)
+    q_tile: int  # query rows per tile: all of them unless the scores would exceed SCORE_BUDGET
     seq_lens: torch.Tensor | None = None
     identity: bool = False  # one token per sequence, the whole step in order: no gather/scatter of queries
+    triton: bool = False  # a kernel group for the Triton kernel (else, on the CPU, the C++ one)
 
 
 @dataclass
@@ -86,6 +119,23 @@ class StepPlan:
     groups: list[AttnGroup]
     kernel_groups: list[AttnGroup]  # decode groups that go through the Triton kernel
     num_tokens: int
+
+
+# The most score elements one attention call materializes (16 MiB in fp32): a longer prefill chunk is
+# attended a tile of queries at a time, so a 2,048-token chunk over an 8,192-token context stays small.
+SCORE_BUDGET = 1 << 22
+
+
+def _bias(q_pos: torch.Tensor, num_keys: int, kv_heads: int, group_size: int) -> torch.Tensor:
+    """[KVH*S, G*Q, num_keys]: 0 where query (at position q_pos) may see the key at that position, else -inf."""
+    key_pos = torch.arange(num_keys, device=q_pos.device)
+    allowed = key_pos[None, None, :] <= q_pos[:, :, None]  # causal, which also stops at each sequence's end
+    bias = torch.zeros(allowed.shape, device=q_pos.device).masked_fill_(~allowed, float("-inf"))
+    # One bias row per (KV head, sequence) x (query head in the group, query) row of the scores,
+    # materialized once per step so every layer adds it inside its matmul (baddbmm).
+    s, q_len = q_pos.shape
+    bias = bias[None, :, None].expand(kv_heads, s, group_size, q_len, num_keys)
+    return bias.reshape(kv_heads * s, group_size * q_len, num_keys)
 
 
 def _build_group(steps: list[SeqStep], offsets: list[int], block_size: int, device, kv_heads: int,
@@ -106,14 +156,12 @@ def _build_group(steps: list[SeqStep], offsets: list[int], block_size: int, devi
     q_index = torch.where(valid, offsets_t[:, None] + row[None, :], offsets_t[:, None])
     # Padding query rows get position 0: they may see key 0, so their softmax never divides by zero.
     q_pos = torch.where(valid, starts_t[:, None] + row[None, :], 0)
-    key_pos = torch.arange(width * block_size, device=device)
-    allowed = key_pos[None, None, :] <= q_pos[:, :, None]  # causal, which also stops at each sequence's end
-    bias = torch.zeros(allowed.shape, device=device).masked_fill_(~allowed, float("-inf"))
-    # One bias row per (KV head, sequence) x (query head in the group, query) row of the scores,
-    # materialized once per step so every layer adds it inside its matmul (baddbmm).
     s = len(steps)
-    bias = bias[None, :, None].expand(kv_heads, s, group_size, q_len, width * block_size)
-    bias = bias.reshape(kv_heads * s, group_size * q_len, width * block_size)
+    if kv_heads * s * group_size * q_len * width * block_size <= SCORE_BUDGET:
+        bias, q_tile = _bias(q_pos, width * block_size, kv_heads, group_size), q_len
+    else:  # a long prefill: the bias, like the scores, is made per tile of queries in _attend
+        bias = None
+        q_tile = max(1, SCORE_BUDGET // (kv_heads * s * group_size * width * block_size))
     group = AttnGroup(
         q_index=q_index.flatten(),
         q_valid=None if q_len == 1 else valid.flatten().nonzero().flatten(),
@@ -121,6 +169,8 @@ def _build_group(steps: list[SeqStep], offsets: list[int], block_size: int, devi
         block_tables=block_tables,
         bias=bias,
         q_len=q_len,
+        q_pos=q_pos,
+        q_tile=q_tile,
         identity=q_len == 1 and offsets == list(range(total_tokens)),
     )
     if with_kernel_inputs:
@@ -165,6 +215,14 @@ def split_by_length(seq_lens: list[int], block_size: int, q_lens: list[int] | No
     return [order[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+def _scores_softmax_values(q, keys, values, bias, scaling):
+    """softmax(bias + scaling * q k^T) v for [B, rows, D] queries over [B, L, D] keys and values."""
+    # scores = bias + scaling * q @ k^T in one call; softmax in float32 even for half-precision models.
+    scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scaling)
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.bmm(probs, values)
+
+
 def _attend(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, group: AttnGroup,
             scaling: float) -> torch.Tensor:
     """Vectorized paged attention for one group: gather whole blocks, grouped matmuls, masked softmax.
@@ -183,10 +241,17 @@ def _attend(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, g
     q = q.view(kv_heads, g, s, q_len, head_dim).transpose(1, 2).reshape(kv_heads * s, g * q_len, head_dim)
     keys = k_store[:, group.block_tables].view(kv_heads * s, -1, head_dim)  # [KVH*S, L, D]
     values = v_store[:, group.block_tables].view(kv_heads * s, -1, head_dim)
-    # scores = bias + scaling * q @ k^T in one call; softmax in float32 even for half-precision models.
-    scores = torch.baddbmm(group.bias.to(q.dtype), q, keys.transpose(1, 2), alpha=scaling)
-    probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
-    out = torch.bmm(probs, values)  # [KVH*S, G*Q, D]
+    if group.bias is not None:
+        out = _scores_softmax_values(q, keys, values, group.bias.to(q.dtype), scaling)  # [KVH*S, G*Q, D]
+    else:  # a long prefill: one tile of queries at a time, each with its own slice of the bias
+        q = q.view(kv_heads * s, g, q_len, head_dim)
+        out = torch.empty_like(q)
+        for t in range(0, q_len, group.q_tile):
+            rows = slice(t, min(t + group.q_tile, q_len))
+            bias = _bias(group.q_pos[:, rows], keys.shape[1], kv_heads, g).to(q.dtype)
+            tile = q[:, :, rows].reshape(kv_heads * s, -1, head_dim)
+            out[:, :, rows] = _scores_softmax_values(tile, keys, values, bias, scaling).view(
+                kv_heads * s, g, -1, head_dim)
     # -> [S, Q, KVH, G, D] -> [S*Q, H, D]
     out = out.view(kv_heads, s, g, q_len, head_dim).permute(1, 3, 0, 2, 4).reshape(s * q_len, kv_heads * g, head_dim)
     return out if group.q_valid is None else out[group.q_valid]
@@ -215,8 +280,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     v_store.view(kv_heads, -1, head_dim).index_copy_(1, plan.slots, value[0].to(v_store.dtype))
     # 2. Attend through the block tables. Query head h reads KV head h // G.
     grouped = query[0].view(kv_heads, num_heads // kv_heads, num_tokens, head_dim)
-    if len(plan.groups) == 1 and plan.groups[0].identity:
+    if len(plan.groups) == 1 and plan.groups[0].identity and not plan.kernel_groups:
         out = _attend(grouped, k_store, v_store, plan.groups[0], scaling)
+    elif len(plan.kernel_groups) == 1 and plan.kernel_groups[0].identity and not plan.groups:
+        out = _kernel_decode(query[0].transpose(0, 1), k_store, v_store, plan.kernel_groups[0], scaling)
     else:
         out = query.new_empty(num_tokens, num_heads, head_dim)
         for group in plan.groups:  # at most six: decodes and prefill chunks, each split by length
@@ -228,6 +295,12 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
 
 
 def _kernel_decode(q, k_store, v_store, group, scaling):
+    """Decode tokens by a kernel that reads K/V in place: Triton's on CUDA (or its interpreter when forced),
+    the C++ one of ``kernels/paged_attention_cpu.cpp`` on the CPU."""
+    if q.device.type == "cpu" and not group.triton:
+        from kernels.paged_attention_cpu import paged_decode
+
+        return paged_decode(q, k_store, v_store, group.block_tables, group.seq_lens, scaling)
     from kernels.paged_attention import paged_attention as kernel
 
     # The kernel's layout, [blocks, block_size, KVH, D], as a view of the head-major store (it
@@ -258,21 +331,32 @@ class ModelRunner:
     dtype and device. ``use_kernel=None`` sends decode tokens through the Triton kernel on CUDA and
     the vectorized PyTorch path on the CPU; ``True`` on the CPU runs the kernel under Triton's
     interpreter (slow: for testing the GPU's code path), ``False`` never uses it.
+    ``cpu_kernel=None`` sends CPU fp32 decode tokens through the C++ kernel of
+    ``kernels/paged_attention_cpu.cpp`` (built once, on first use) when it builds, else through the
+    gather path; ``False`` always gathers; ``True`` insists (and says why it cannot).
+    ``compile=True`` runs decode steps through ``torch.compile`` (see ``minikv.speed.compile``), compiling
+    once here: tens of seconds of start-up for a faster step.
+    ``prepack_linears=None`` prepacks the linear weights for oneDNN on the CPU in fp32 (see
+    :class:`PackedLinears`); ``False`` keeps eager ``F.linear``.
     """
 
-    def __init__(self, model, num_blocks: int, block_size: int, *, use_kernel: bool | None = None):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must both be >= 1")
+    def __init__(self, model, num_blocks: int, block_size: int, *, use_kernel: bool | None = None,
+                 prepack_linears: bool | None = None, cpu_kernel: bool | None = None, compile: bool = False):
+        check_num_blocks(num_blocks)
+        check_block_size(block_size)
         register()
         self.model = model.eval()
         config = model.config
         self.num_blocks, self.block_size = num_blocks, block_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.num_layers, self.kv_heads, self.head_dim = self._kv_shape(config)
+        # Stage 1's ModelShape, through the caches' check: a sliding-window model is refused, since
+        # attending over every cached token would silently compute something else.
+        kv_shape = cache_shape(config)
+        self.num_layers, self.kv_heads, self.head_dim = kv_shape.num_layers, kv_shape.num_kv_heads, kv_shape.head_dim
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_heads = text_config.num_attention_heads
-        self.use_kernel = self.device.type == "cuda" if use_kernel is None else use_kernel
+        self.use_kernel = kernel_wanted(self.device, use_kernel)
         # Stored head-major, [kv_heads, num_blocks, block_size, head_dim], so a block gather gives
         # each KV head's keys contiguously (see _attend); k_pools/v_pools are the same memory seen
         # in the course's layout, [num_blocks, block_size, kv_heads, head_dim].
@@ -281,28 +365,52 @@ class ModelRunner:
         self.v_stores = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.k_pools = [store.permute(1, 2, 0, 3) for store in self.k_stores]
         self.v_pools = [store.permute(1, 2, 0, 3) for store in self.v_stores]
-        self.bytes_per_block = self.bytes_per_block_for(config, block_size, self.dtype)
+        self.bytes_per_block = kv_bytes_per_block(kv_shape, block_size, self.dtype)
+        self.packed = PackedLinears(model) if PackedLinears.wanted(model, prepack_linears) else None
+        self.cpu_kernel = self._cpu_kernel_wanted(cpu_kernel)
+        self.graphs = None  # minikv.speed.graphs.DecodeGraphs, when the engine asks for decode graphs
+        self.compiled = None
+        if compile:
+            self._compile()
 
-    @staticmethod
-    def _kv_shape(config) -> tuple[int, int, int]:
-        # Stage 1's ModelShape, through the caches' check: a sliding-window model is refused, since
-        # attending over every cached token would silently compute something else.
-        shape = cache_shape(config)
-        return shape.num_layers, shape.num_kv_heads, shape.head_dim
+    def _compile(self) -> None:
+        """torch.compile the forward for decode steps (minikv.speed.compile) and compile it now."""
+        if not self.cpu_kernel:
+            raise ValueError("compile=True needs the CPU attention kernel (a float32 model on the CPU, cpu_kernel "
+                             "not False): the gather path's plan changes shape from step to step")
+        from minikv.speed.compile import WARM_UP_SEQS, WARM_UP_WIDTH, CompiledForward
 
-    @staticmethod
-    def bytes_per_block_for(config, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block id holds: K and V, every layer (2 * layers * block_size * kv_heads * head_dim * itemsize)."""
-        layers, kv_heads, head_dim = ModelRunner._kv_shape(config)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * layers * block_size * kv_heads * head_dim * itemsize
+        compiled = self.compiled = CompiledForward(self.model)  # set first: the warm-up step runs through it
+        s, w, b = WARM_UP_SEQS, WARM_UP_WIDTH, self.block_size
+        if self.num_blocks >= s * w:  # else it compiles on the first step that applies
+            # A decode step over blocks that are all free now (what it writes there is overwritten later).
+            compiled.warm_up(lambda: self.execute([
+                SeqStep(i, [0], (w - 1) * b, list(range(i * w, (i + 1) * w)), [((i + 1) * w - 1) * b], True)
+                for i in range(s)]))
+
+    def _cpu_kernel_wanted(self, cpu_kernel: bool | None) -> bool:
+        """None (the default): the C++ decode kernel on the CPU in fp32 when it builds, else the gather path."""
+        if cpu_kernel is False or self.use_kernel:
+            return False
+        possible = self.device.type == "cpu" and self.dtype == torch.float32
+        if cpu_kernel and not possible:
+            raise ValueError(f"cpu_kernel=True needs a float32 model on the CPU; this one is {self.dtype} on "
+                             f"{self.device.type} (pass cpu_kernel=None to use it only where it applies)")
+        if not possible:
+            return False
+        from kernels import paged_attention_cpu
+
+        if paged_attention_cpu.load() is None:
+            if cpu_kernel:
+                raise RuntimeError(f"cpu_kernel=True but the CPU attention kernel could not be built: "
+                                   f"{paged_attention_cpu.why_not}")
+            return False
+        return True
 
     # -- one step ----------------------------------------------------------------------------------
 
-    def plan(self, steps: list[SeqStep]) -> tuple[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Flatten the steps: input ids, positions, logit rows, and the attention plan. Checks the input."""
-        ids, positions, slots, logit_rows = [], [], [], []
-        decode, decode_at, prefill, prefill_at = [], [], [], []
+    def check(self, steps: list[SeqStep]) -> None:
+        """Refuse a step whose tokens, slots or block tables do not fit this pool, saying which and why."""
         capacity = self.num_blocks * self.block_size
         for step in steps:
             n = len(step.token_ids)
@@ -322,6 +430,15 @@ class ModelRunner:
             if bad:
                 raise ValueError(f"sequence {step.seq_id}: block/slot {bad[0]} is outside the pool of "
                                  f"{self.num_blocks} blocks x {self.block_size}")
+
+    def plan(self, steps: list[SeqStep]) -> tuple[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flatten the steps: input ids, positions, logit rows, and the attention plan. Checks the input."""
+        ids, positions, slots, logit_rows = [], [], [], []
+        decode, decode_at, prefill, prefill_at = [], [], [], []
+        self.check(steps)
+        for step in steps:
+            n = len(step.token_ids)
+            end = step.start_pos + n
             offset = len(ids)
             (decode if n == 1 else prefill).append(step)
             (decode_at if n == 1 else prefill_at).append(offset)
@@ -333,9 +450,10 @@ class ModelRunner:
         dev = self.device
         groups, kernel_groups = [], []
         g = self.num_heads // self.kv_heads
-        if decode and self.use_kernel:  # the kernel reads each sequence's own length: no padding to save
-            kernel_groups.append(_build_group(decode, decode_at, self.block_size, dev, self.kv_heads, g,
-                                              True, len(ids)))
+        if decode and (self.use_kernel or self.cpu_kernel):  # a kernel reads each sequence's own length:
+            group = _build_group(decode, decode_at, self.block_size, dev, self.kv_heads, g, True, len(ids))
+            group.triton = self.use_kernel  # no padding to save, so one group
+            kernel_groups.append(group)
         elif decode:
             # Padding every decode to the longest context would gather (and multiply) mostly padding
             # when lengths differ a lot; split them into up to three groups of similar length.
@@ -367,6 +485,9 @@ class ModelRunner:
         """Run one step; return float32 logits [number of steps wanting logits, vocab], in steps' order."""
         if not steps:
             raise ValueError("execute needs at least one SeqStep")
+        if self.graphs is not None and self.graphs.applies(steps):
+            self.check(steps)  # the eager step's checks, without building its plan
+            return self.graphs.run(steps)
         plan, input_ids, position_ids, logit_rows = self.plan(steps)
         if len(logit_rows) == 0:
             # Nothing samples (every sequence is mid-prefill): still run the model to fill the cache.
@@ -374,11 +495,19 @@ class ModelRunner:
             keep_none = True
         else:
             keep_none = False
-        with self._paged_attention():
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                             logits_to_keep=logit_rows, minikv_plan=plan)
-        logits = out.logits[0].float()
-        return logits[:0] if keep_none else logits
+        return self.forward(plan, input_ids, position_ids, logit_rows)[:0 if keep_none else None]
+
+    def forward(self, plan: StepPlan, input_ids, position_ids, logit_rows) -> torch.Tensor:
+        """The model's forward over a planned step: float32 logits of the rows in logit_rows.
+        (``minikv.speed.graphs`` calls it with a plan over its persistent buffers, to capture it.)"""
+        forward, packed = self.model, self.packed.active() if self.packed is not None else nullcontext()
+        if self.compiled is not None and self.compiled.applies(plan):
+            forward, packed = self.compiled.forward, nullcontext()  # the graph prepacks its own weights
+            self.compiled.steps += 1
+        with self._paged_attention(), packed:
+            out = forward(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                          logits_to_keep=logit_rows, minikv_plan=plan)
+        return out.logits[0].float()
 
     # -- block operations the block manager asks for ------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Sampling: how a request asks for tokens (`SamplingParams`) and how one is drawn from logits (`sample`).
 
 `SamplingParams` uses vLLM's names and defaults, so a learner can move to vLLM without relearning.
-Bad values fail when the request is made, with a message that says how to fix them, never halfway
+Bad values fail when the request is made, with a message that names the field, the value and what
+it must be (`minikv.validation.InvalidArgument`, a ``ValueError`` with ``.param``), never halfway
 through a batch.
 
 `sample(logits, params, generators)` draws one token per row of a step's logits:
@@ -22,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from minikv.validation import check_bool, check_int, check_int_list, check_number, check_str_list
 
 __all__ = ["SamplingParams", "apply_top_k_top_p", "make_generator", "sample"]
 
@@ -51,28 +54,17 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1 (samples per prompt); got {self.n!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(
-                f"max_tokens must be an integer >= 1 (tokens to generate); got {self.max_tokens!r}"
-            )
-        if self.temperature < 0:
-            raise ValueError(
-                f"temperature must be >= 0 (0 means greedy); got {self.temperature!r}"
-            )
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1.0 keeps every token); got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 keeps every token); got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None; got {self.seed!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them; got {self.stop!r}")
-        if self.stop_token_ids is not None and not all(isinstance(t, int) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of integer token ids; got {self.stop_token_ids!r}")
+        # Each check names the field, the value and what it must be (minikv.validation), so a
+        # server can turn a bad request into a 400 that says which parameter to fix.
+        check_int("n", self.n, 1, "samples per prompt")
+        check_number("temperature", self.temperature, 0, what="0 means greedy")
+        check_number("top_p", self.top_p, 0.0, 1.0, low_open=True, what="1.0 keeps every token")
+        check_int("top_k", self.top_k, 0, "0 keeps every token")
+        check_int("max_tokens", self.max_tokens, 1, "tokens to generate")
+        self.stop = check_str_list("stop", self.stop, "the text stops before the first one it contains")
+        self.stop_token_ids = check_int_list("stop_token_ids", self.stop_token_ids, 0, "token ids")
+        check_bool("ignore_eos", self.ignore_eos)
+        check_int("seed", self.seed, what="the request's own random seed", optional=True)
 
     @property
     def greedy(self) -> bool:

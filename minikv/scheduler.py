@@ -7,7 +7,8 @@ sequence next to the single decode token of another. Each step, under a token bu
 
 1. **decodes first**: every running sequence that has one token to compute gets it (a decode
    costs 1 token of budget and at most one new block, so latency of running requests comes first);
-2. **prefill chunks** of running sequences whose prompt is not done yet fill the remaining budget;
+2. **prefill chunks** of running sequences whose prompt is not done yet fill the remaining budget
+   (each chunk at most ``long_prefill_token_threshold`` tokens when that is set, vLLM V1's knob);
 3. **swapped** sequences come back (swap mode), oldest first;
 4. **waiting** requests are admitted, strictly first come first served (head of line: if the
    oldest waiting request does not fit, nobody behind it is admitted). A request is admitted
@@ -27,6 +28,20 @@ CPU pool is full it falls back to recompute. Either way the tokens are the same 
 preemption; only time is lost.
 
 All bookkeeping is O(running sequences) per step: no scan of the block pool.
+
+**The policy API.** Two public methods are the scheduling policy; everything else is mechanism
+(queues, blocks, swapping) that a policy should not have to touch. A subclass overrides either:
+
+* ``can_admit(seq, num_tokens, step) -> bool``: may waiting ``seq`` be admitted now with a first
+  chunk of ``num_tokens`` tokens? (Its prefix-cache hits are already opened, so
+  ``self.bm.blocks_needed(seq.seq_id, num_tokens)`` counts only the new blocks it takes.)
+* ``choose_victim(seq, step) -> Sequence``: running ``seq`` needs a block and none is free: which
+  sequence gives way? One of ``self.victim_candidates(seq, step)``, or ``seq`` itself.
+
+Both get the step's own state, a `SchedulerStep` (the token budget left, the seats taken, which
+sequences are already scheduled), and may read ``self.running``, ``self.bm`` and ``self.config``;
+they decide, and the scheduler acts (admits, preempts). Exercise 06 plugs a learner's policy in
+this way, and so can a server that wants another one.
 """
 
 from __future__ import annotations
@@ -34,7 +49,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from minikv.sequence import Sequence, SeqStatus
+from minikv.sequence import SeqStatus, Sequence
+from minikv.validation import check_long_prefill_token_threshold, check_preemption_mode
 
 
 @dataclass
@@ -45,6 +61,10 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"     # or "swap"
     watermark_blocks: int = 1               # free blocks kept back when admitting (0 = none)
     swap_blocks: int = 0                    # capacity of the CPU swap pool, in blocks
+    # vLLM V1's knob: the most tokens one request's prefill chunk may take in a step (None or 0: no
+    # cap). The step's budget is unchanged, so a long prompt no longer takes a whole step to itself
+    # while short prompts still prefill in one go. Needs chunked prefill.
+    long_prefill_token_threshold: int | None = None
 
 
 @dataclass
@@ -62,6 +82,7 @@ class Scheduled:
 
 @dataclass
 class SchedulerOutput:
+    """What one step hands the engine: plain data, no reference back to the scheduler."""
     scheduled: list[Scheduled] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)   # COW block copies to apply first
     preempted: list[Sequence] = field(default_factory=list)
@@ -69,10 +90,24 @@ class SchedulerOutput:
     decode_tokens: int = 0
 
 
+@dataclass
+class SchedulerStep:
+    """One call of `Scheduler.schedule` as it goes: what the policy hooks may read.
+
+    A fresh one per step, so nothing of a step outlives it on the scheduler."""
+    budget: int                                          # tokens still free this step (max_num_batched_tokens - used)
+    seats_used: int = 0                                  # running slots taken (set once the running ones are scheduled)
+    scheduled_ids: set[int] = field(default_factory=set)  # seq_ids scheduled this step: never chosen as victims
+    out: SchedulerOutput = field(default_factory=SchedulerOutput)  # the step's result so far
+
+
 class Scheduler:
+    """Iteration-level scheduling over one block manager (see the module's docstring). Override
+    `can_admit` and `choose_victim` to change the policy."""
+
     def __init__(self, config: SchedulerConfig, block_manager, runner=None):
-        if config.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {config.preemption_mode!r}")
+        check_preemption_mode(config.preemption_mode)
+        check_long_prefill_token_threshold(config.long_prefill_token_threshold, config.enable_chunked_prefill)
         self.config, self.bm, self.runner = config, block_manager, runner  # runner: only for swap
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # admission order: the last one is the next victim
@@ -104,53 +139,53 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         cfg, bm = self.config, self.bm
-        out = SchedulerOutput()
-        self._budget = cfg.max_num_batched_tokens
-        self._done: set[int] = set()   # seq_ids scheduled this step (never chosen as victims)
-        self._out = out
+        step = SchedulerStep(budget=cfg.max_num_batched_tokens)
+        out = step.out
 
         # 1 + 2: running sequences, decodes then prefill chunks, in admission order.
         for want_prefill in (False, True):
             for seq in list(self.running):
-                if self._budget == 0:
+                if step.budget == 0:
                     break
                 if seq.status is not SeqStatus.RUNNING or seq.is_prefill != want_prefill:
                     continue
-                n = min(seq.num_to_compute, self._budget) if cfg.enable_chunked_prefill else seq.num_to_compute
-                if n > self._budget:
+                n = seq.num_to_compute
+                if cfg.enable_chunked_prefill:
+                    n = min(self._cap(n), step.budget)
+                if n > step.budget:
                     continue
-                n = self._make_room(seq, n)
+                n = self._make_room(seq, n, step)
                 if n:
-                    self._schedule(seq, n)
+                    self._schedule(seq, n, step)
 
         # Seats: a request that has not forked yet holds n (its samples appear when its prompt is done).
-        self._seats_used = sum(self._seats(s) for s in self.running)
+        step.seats_used = sum(self._seats(s) for s in self.running)
 
         # 3 + 4 only in a step that preempted nobody: memory is short, and a victim let back in at
         # once would only be preempted again (vLLM's rule too).
         admit = not out.preempted
 
         # 3: swapped sequences come back, oldest first, while they fit with the watermark kept.
-        while admit and self.swapped and self._budget > 0:
+        while admit and self.swapped and step.budget > 0:
             seq = self.swapped[0]
-            if self._seats_used + self._seats(seq) > cfg.max_num_seqs:
+            if step.seats_used + self._seats(seq) > cfg.max_num_seqs:
                 break
             headroom = cfg.watermark_blocks if self.running else 0
             if seq.swap_blocks + 1 > bm.num_free_blocks - headroom:
                 break
             self.swapped.popleft()
             self._swap_in(seq)
-            self._seats_used += self._seats(seq)
-            n = min(seq.num_to_compute, self._budget)
+            step.seats_used += self._seats(seq)
+            n = min(self._cap(seq.num_to_compute), step.budget)
             if n == seq.num_to_compute or cfg.enable_chunked_prefill:
                 n = self._fit(seq, n)
                 if n:
-                    self._schedule(seq, n)
+                    self._schedule(seq, n, step)
 
         # 4: waiting requests, strictly first come first served (none while any is swapped out).
-        while admit and self.waiting and not self.swapped and self._budget > 0:
+        while admit and self.waiting and not self.swapped and step.budget > 0:
             seq = self.waiting[0]
-            if self._seats_used + self._seats(seq) > cfg.max_num_seqs:
+            if step.seats_used + self._seats(seq) > cfg.max_num_seqs:
                 break
             # A hit may be a block another sequence fills in this very step (the block manager
             # caches blocks when they are appended, before the forward computes them). That is
@@ -158,25 +193,60 @@ class Scheduler:
             cached = bm.open(seq.seq_id, seq.token_ids)
             n = seq.num_to_compute - cached
             if cfg.enable_chunked_prefill:
-                n = min(n, self._budget)
-            if not self._can_admit(seq, n):
+                n = min(self._cap(n), step.budget)
+            if not self.can_admit(seq, n, step):
                 bm.free(seq.seq_id)   # give the cache hits back: full cached blocks stay cached
                 break
             self.waiting.popleft()
             seq.status, seq.num_computed = SeqStatus.RUNNING, cached
             self.running.append(seq)
-            self._seats_used += self._seats(seq)
+            step.seats_used += self._seats(seq)
             seq.request.on_admitted(cached)
-            self._schedule(seq, n)
+            self._schedule(seq, n, step)
 
         out.copies = bm.take_copies()
         return out
+
+    # -- the policy (override these) ---------------------------------------------------------
+    def can_admit(self, seq: Sequence, num_tokens: int, step: SchedulerStep) -> bool:
+        """Admit waiting `seq` now, with a first chunk of `num_tokens` tokens?
+
+        Its cache hits are already opened, so ``self.bm.blocks_needed(seq.seq_id, num_tokens)``
+        counts only new blocks. minikv's rule: the chunk fits in the step's budget, and after
+        taking its blocks ``watermark_blocks`` stay free."""
+        # The watermark is headroom for sequences already running; an empty engine needs none
+        # (without that exception, a request needing the whole pool would wait forever).
+        headroom = self.config.watermark_blocks if self.running else 0
+        return (num_tokens <= step.budget
+                and self.bm.blocks_needed(seq.seq_id, num_tokens) <= self.bm.num_free_blocks - headroom)
+
+    def choose_victim(self, seq: Sequence, step: SchedulerStep) -> Sequence:
+        """Running `seq` needs a block and none is free: who gives way? One of
+        ``victim_candidates(seq, step)``, or `seq` itself. minikv's rule: the most recently admitted
+        candidate that was admitted after `seq`; if there is none, `seq`."""
+        for other in reversed(self.running):
+            if other is seq:
+                break
+            if other.status is SeqStatus.RUNNING and other.seq_id not in step.scheduled_ids:
+                return other
+        return seq
+
+    def victim_candidates(self, seq: Sequence, step: SchedulerStep) -> list[Sequence]:
+        """Sequences that may give way for `seq`, in admission order: running, not `seq`, and not
+        yet scheduled this step (their tokens are already in the batch)."""
+        return [s for s in self.running
+                if s is not seq and s.status is SeqStatus.RUNNING and s.seq_id not in step.scheduled_ids]
 
     # -- helpers -----------------------------------------------------------------------------
     @staticmethod
     def _seats(seq: Sequence) -> int:
         """Running slots `seq` will take: its request's n until its prompt is done and it forks."""
         return 1 if seq.request.forked else seq.request.params.n
+
+    def _cap(self, n: int) -> int:
+        """`n` tokens to compute, cut to ``long_prefill_token_threshold`` if set (a decode's 1 never is)."""
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap else n
 
     def _fit(self, seq: Sequence, n: int) -> int:
         """The most tokens (<= n) of `seq` that the free blocks can hold now, preempting nobody."""
@@ -190,51 +260,37 @@ class Scheduler:
         fit = min(n, (-seq.num_computed) % bm.block_size + bm.num_free_blocks * bm.block_size)
         return fit if fit > 0 and bm.blocks_needed(seq.seq_id, fit) <= bm.num_free_blocks else 0
 
-    def _schedule(self, seq: Sequence, n: int) -> None:
+    def _schedule(self, seq: Sequence, n: int, step: SchedulerStep) -> None:
         start = seq.num_computed
         slots = self.bm.append(seq.seq_id, seq.token_ids[start:start + n])
         seq.num_computed += n
-        self._budget -= n
-        self._done.add(seq.seq_id)
-        self._out.scheduled.append(Scheduled(seq, start, n, slots))
+        step.budget -= n
+        step.scheduled_ids.add(seq.seq_id)
+        step.out.scheduled.append(Scheduled(seq, start, n, slots))
         if n == 1 and start >= seq.num_prompt_tokens:   # the token is a generated one: a decode
-            self._out.decode_tokens += 1
+            step.out.decode_tokens += 1
         else:
-            self._out.prefill_tokens += n
+            step.out.prefill_tokens += n
 
-    def _make_room(self, seq: Sequence, n: int) -> int:
-        """Tokens of `seq` that can be scheduled now (<= n), preempting later sequences if needed."""
+    def _make_room(self, seq: Sequence, n: int, step: SchedulerStep) -> int:
+        """Tokens of `seq` that can be scheduled now (<= n), preempting others (`choose_victim`) if needed."""
         while True:
             fit = self._fit(seq, n)   # a prefill chunk shrinks to what fits rather than evict anyone
             if fit:
                 return fit
-            victim = self._victim(seq)
-            self._preempt(victim)
+            victim = self.choose_victim(seq, step)
+            if victim is not seq and victim not in self.victim_candidates(seq, step):
+                raise ValueError(f"choose_victim returned sequence {victim.seq_id}, which is not {seq.seq_id} (the "
+                                 "one in need) nor one of victim_candidates(): it is not running, or its tokens "
+                                 "are already in this step's batch")
+            self._preempt(victim, step)
             if victim is seq:
                 return 0
 
-    def _can_admit(self, seq: Sequence, n: int) -> bool:
-        """Admit waiting `seq` with a first chunk of `n` tokens now? (Its cache hits are already
-        opened, so ``bm.blocks_needed(seq.seq_id, n)`` counts only new blocks.) `_can_admit` and
-        `_victim` are the scheduling policy; exercise 06 overrides both in a subclass."""
-        # The watermark is headroom for sequences already running; an empty engine needs none
-        # (without that exception, a request needing the whole pool would wait forever).
-        headroom = self.config.watermark_blocks if self.running else 0
-        return n <= self._budget and self.bm.blocks_needed(seq.seq_id, n) <= self.bm.num_free_blocks - headroom
-
-    def _victim(self, seq: Sequence) -> Sequence:
-        """The most recently admitted running sequence behind `seq` not yet scheduled; else `seq`."""
-        for other in reversed(self.running):
-            if other is seq:
-                break
-            if other.status is SeqStatus.RUNNING and other.seq_id not in self._done:
-                return other
-        return seq
-
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, step: SchedulerStep) -> None:
         self.num_preemptions += 1
         seq.request.metrics.preemptions += 1
-        self._out.preempted.append(seq)
+        step.out.preempted.append(seq)
         self.running.remove(seq)
         table = self.bm.block_table(seq.seq_id)
         if self.config.preemption_mode == "swap" and self.swap_used + len(table) <= self.config.swap_blocks:

@@ -9,10 +9,10 @@ import random
 
 import pytest
 import torch
+from test_runner import tiny  # the runner's tiny Llama / Qwen2 / Mistral (GQA, Qwen2 with biases)
 
 from minikv import LLM, SamplingParams
 from minikv.engine import LLMEngine, kv_pool_blocks, parse_bytes
-from test_runner import tiny   # the runner's tiny Llama / Qwen2 / Mistral (GQA, Qwen2 with biases)
 
 MODELS = ("llama", "qwen2", "mistral")
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -40,6 +40,8 @@ SCENARIOS = {
     "plain": (dict(enable_prefix_caching=False), prompts(5, 0), 0),
     "prefix cached": (dict(), prompts(5, 1, shared=SYSTEM, hi=12), 0),
     "chunked, budget 8": (dict(max_num_batched_tokens=8), prompts(5, 2), 0),
+    "budget 64, chunks capped at 8": (dict(max_num_batched_tokens=64, long_prefill_token_threshold=8),
+                                      prompts(5, 2), 0),
     "pressure, recompute": (dict(num_blocks=12, block_size=4, max_num_batched_tokens=16), prompts(6, 3, hi=20), 1),
     "pressure, swap": (dict(num_blocks=12, block_size=4, preemption_mode="swap"), prompts(6, 3, hi=20), 1),
 }
@@ -48,6 +50,8 @@ SCENARIOS = {
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_greedy_parity_with_transformers(model, scenario):
     kw, ps, min_preemptions = SCENARIOS[scenario]
+    if kw.get("long_prefill_token_threshold"):   # the cap must cut some prompt, or it tests nothing
+        assert max(map(len, ps)) > kw["long_prefill_token_threshold"]
     llm = LLM(model, verbose=False, **kw)
     outs = llm.generate(ps, SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)
     for p, o in zip(ps, outs):

@@ -12,6 +12,7 @@ import torch
 
 from minikv.blocks import blocks_for
 from minikv.runner import ModelRunner, SeqStep
+from minikv.sizing import kv_bytes_per_block
 
 VOCAB = 256
 
@@ -94,10 +95,44 @@ def test_mixed_step_matches_plain_forward(kind, block_size):
     assert model.config._attn_implementation != "minikv_paged"  # the user's model is left as it was
 
 
+def test_long_prefill_attends_in_tiles_with_the_same_logits(monkeypatch):
+    """Past SCORE_BUDGET score elements a prefill group is attended a tile of queries at a time."""
+    import minikv.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "SCORE_BUDGET", 700)  # tiles of a few query rows each
+    model = tiny("llama")
+    rng = random.Random(3)
+    blocks = Blocks(num_blocks=64, block_size=7)
+    runner = ModelRunner(model, 64, 7)
+    seqs = [random_tokens(rng, n) for n in (45, 60, 30)]
+    runner.execute([blocks.step(0, seqs[0][:20], wants_logits=False)])
+    steps = [blocks.step(0, seqs[0][20:]), blocks.step(1, seqs[1]), blocks.step(2, seqs[2][:29], False)]
+    groups = runner.plan(steps)[0].groups
+    assert all(g.bias is None and g.q_tile < g.q_len for g in groups)
+    logits = runner.execute(steps)
+    for row, i in enumerate((0, 1)):
+        torch.testing.assert_close(logits[row], plain_last_logits(model, seqs[i]), atol=1e-5, rtol=1e-5)
+
+
+def test_prepacked_linears_are_swapped_in_only_while_executing():
+    model = tiny("qwen2")  # with biases
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    runner = ModelRunner(model, 16, 16)
+    assert runner.packed is not None and set(runner.packed.forwards) == set(linears)
+    seen = []
+    model.lm_head.register_forward_pre_hook(lambda m, args: seen.append("forward" in m.__dict__))
+    runner.execute([SeqStep(0, [1, 5, 9], 0, [0], [0, 1, 2], True)])
+    model(torch.tensor([[1, 5, 9]]))
+    assert seen == [True, False]  # packed inside execute; the user's model computes as before outside it
+    assert not any("forward" in m.__dict__ for m in linears)
+    assert ModelRunner(model, 16, 16, prepack_linears=False).packed is None
+
+
 def greedy_loop(runner: ModelRunner, prompts: list[list[int]], max_new: list[int], chunk: int = 10**9,
-                block_size: int = 16) -> list[list[int]]:
+                block_size: int = 16, execute=None, blocks: Blocks | None = None) -> list[list[int]]:
     """The engine's shape in miniature: chunked prefill, then one decode token per sequence per step."""
-    blocks = Blocks(runner.num_blocks, block_size)
+    blocks = blocks or Blocks(runner.num_blocks, block_size)
+    execute = execute or runner.execute
     done_prefill = [0] * len(prompts)
     outputs: list[list[int]] = [[] for _ in prompts]
     while any(len(o) < m for o, m in zip(outputs, max_new)):
@@ -112,10 +147,85 @@ def greedy_loop(runner: ModelRunner, prompts: list[list[int]], max_new: list[int
             else:
                 steps.append(blocks.step(i, outputs[i][-1:]))
             who.append(i)
-        logits = runner.execute(steps)
+        logits = execute(steps)
         for row, i in enumerate(i for i, s in zip(who, steps) if s.wants_logits):
             outputs[i].append(int(logits[row].argmax()))
     return outputs
+
+
+def test_decode_graph_plan_pads_into_a_scratch_block_and_keeps_the_tokens():
+    """The CUDA-graph decode plan (persistent buffers, padding to captured sizes, scratch block), run eagerly."""
+    from minikv.speed.graphs import DecodeGraphPlan, graph_batch_sizes
+
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graph_batch_sizes(5) == [1, 2, 4, 8] and graph_batch_sizes(20) == [1, 2, 4, 8, 16, 32]
+    model = tiny("llama")
+    rng = random.Random(2)
+    prompts = [random_tokens(rng, n) for n in (3, 17, 40, 9, 22)]
+    max_new = [12, 5, 9, 15, 7]
+    expected = greedy_loop(ModelRunner(model, 64, 16), prompts, max_new)
+    runner = ModelRunner(model, 65, 16)  # block 64 is the scratch block: the test's Blocks hand out 0..63
+    plan = DecodeGraphPlan(max_num_seqs=8, max_blocks_per_seq=4, block_size=16, scratch_block=64)
+    sizes = []
+
+    def execute(steps):
+        if any(len(s.token_ids) > 1 for s in steps):
+            return runner.execute(steps)  # prefill stays eager
+        sizes.append((len(steps), plan.load(steps)))
+        return runner.execute(plan.steps())[: plan.real]
+
+    assert greedy_loop(runner, prompts, max_new, execute=execute, blocks=Blocks(64, 16)) == expected
+    assert (5, 8) in sizes and (3, 4) in sizes and (1, 1) in sizes
+    with pytest.raises(ValueError, match="decodes only"):
+        plan.load([SeqStep(0, [1, 2], 0, [0], [0, 1], True)])
+
+
+def test_decode_graphs_run_their_buffers_step_plans_eagerly_on_the_cpu():
+    """DecodeGraphs without capture: every decode step goes through the persistent buffers and the step plan
+    a graph would be captured on (padding rows in the scratch block), and the tokens stay transformers'."""
+    from kernels import paged_attention_cpu
+    from minikv.speed.graphs import DecodeGraphs
+
+    if paged_attention_cpu.load() is None:
+        pytest.skip(f"decode graphs need a decode kernel: {paged_attention_cpu.why_not}")
+    model = tiny("llama")
+    rng = random.Random(5)
+    prompts = [random_tokens(rng, n) for n in (3, 17, 40, 9, 22)]
+    max_new = [12, 5, 9, 15, 7]
+    runner = ModelRunner(model, 65, 16)
+    runner.graphs = graphs = DecodeGraphs(runner, max_num_seqs=8, max_blocks_per_seq=8, scratch_block=64)
+    assert not graphs.capture and set(graphs.step_plans) == {1, 2, 4, 8}
+    blocks, sizes, load = Blocks(64, 16), [], graphs.plan.load
+    graphs.plan.load = lambda steps: sizes.append((len(steps), load(steps))) or sizes[-1][1]
+    got = greedy_loop(runner, prompts, max_new, chunk=8, blocks=blocks)
+    assert got == [hf_greedy(model, p, n) for p, n in zip(prompts, max_new)]
+    assert graphs.replays > 10 and (5, 8) in sizes and (3, 4) in sizes  # padded steps among them
+    # Padding rows wrote into the scratch block only: every block no sequence was given is still zero.
+    assert all(store[:, b].abs().sum() == 0 for store in runner.k_stores + runner.v_stores for b in blocks.free)
+    with pytest.raises(ValueError, match="capturing CUDA graphs needs a CUDA model"):
+        DecodeGraphs(runner, 8, 8, 64, capture=True)
+    with pytest.raises(ValueError, match="need a decode kernel"):
+        DecodeGraphs(ModelRunner(model, 65, 16, cpu_kernel=False), 8, 8, 64)
+
+
+def test_engine_decode_graphs_option_keeps_the_tokens():
+    from kernels import paged_attention_cpu
+    from minikv.engine import LLM
+    from minikv.sampling import SamplingParams
+
+    if paged_attention_cpu.load() is None:
+        pytest.skip(f"decode graphs need a decode kernel: {paged_attention_cpu.why_not}")
+    model = tiny("llama")
+    rng = random.Random(6)
+    prompts = [random_tokens(rng, n) for n in (5, 30, 12)]
+    llm = LLM(model, num_blocks=32, max_num_seqs=4, decode_graphs=True, verbose=False)
+    assert llm.engine.runner.num_blocks == 33 and llm.engine.bm.num_blocks == 32  # one scratch block more
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 10) for p in prompts]
+    assert llm.engine.runner.graphs.replays > 0
+    with pytest.raises(ValueError, match="cannot be combined with runner="):
+        LLM(model, num_blocks=32, decode_graphs=True, runner=ModelRunner(model, 33, 16), verbose=False)
 
 
 @torch.no_grad()
@@ -125,15 +235,59 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("cpu_kernel", [None, False], ids=["default", "gather"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
-def test_greedy_tokens_equal_generate(kind):
+def test_greedy_tokens_equal_generate(kind, cpu_kernel):
+    """Both CPU decode paths: the C++ kernel (the default where it builds) and the gather + matmul one."""
+    from kernels import paged_attention_cpu
+
     model = tiny(kind)
     rng = random.Random(1)
     prompts = [random_tokens(rng, n) for n in (3, 17, 40, 9)]
     max_new = [12, 5, 9, 15]
-    runner = ModelRunner(model, 64, 16)
+    runner = ModelRunner(model, 64, 16, cpu_kernel=cpu_kernel)
+    assert runner.cpu_kernel == (cpu_kernel is None and paged_attention_cpu.load() is not None)
     got = greedy_loop(runner, prompts, max_new, chunk=8)
     assert got == [hf_greedy(model, p, n) for p, n in zip(prompts, max_new)]
+
+
+def test_compiled_decode_steps_give_the_same_tokens():
+    """compile=True: one graph, compiled at start on a 5 x 7-block warm-up step, serves decode steps of other
+    batch sizes and table widths without recompiling; prefill and single-sequence steps stay eager."""
+    from kernels import paged_attention_cpu
+
+    if paged_attention_cpu.load() is None:
+        pytest.skip(f"compile=True needs the CPU kernel: {paged_attention_cpu.why_not}")
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = tiny("llama")
+    rng = random.Random(4)
+    prompts = [random_tokens(rng, n) for n in (3, 17, 40, 9, 33)]
+    max_new = [12, 5, 30, 15, 20]
+    runner = ModelRunner(model, 64, 16, compile=True)
+    assert runner.compiled.startup_s > 0 and runner.compiled.steps == 1  # the warm-up step
+    got = greedy_loop(runner, prompts, max_new, chunk=8)
+    assert got == [hf_greedy(model, p, n) for p, n in zip(prompts, max_new)]
+    assert runner.compiled.steps > 10
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert frames == 1, f"{frames} graphs compiled: a decode step of another shape recompiled"
+    with pytest.raises(ValueError, match="needs the CPU attention kernel"):
+        ModelRunner(model, 64, 16, compile=True, cpu_kernel=False)
+
+
+def test_cpu_kernel_falls_back_to_the_gather_path_when_it_cannot_be_built(monkeypatch):
+    """No compiler (say): the default quietly keeps the gather path; asking for the kernel says why not."""
+    from kernels import paged_attention_cpu
+
+    monkeypatch.setattr(paged_attention_cpu, "load", lambda verbose=False: None)
+    monkeypatch.setattr(paged_attention_cpu, "why_not", "RuntimeError: no C++ compiler")
+    model = tiny("llama")
+    assert not ModelRunner(model, 16, 16).cpu_kernel
+    with pytest.raises(RuntimeError, match="no C.. compiler"):
+        ModelRunner(model, 16, 16, cpu_kernel=True)
+    with pytest.raises(ValueError, match="float32 model on the CPU"):
+        ModelRunner(tiny("llama").half(), 16, 16, cpu_kernel=True)
 
 
 def test_kernel_path_under_the_interpreter_gives_the_same_tokens():
@@ -154,7 +308,7 @@ def test_copy_swap_and_bytes_per_block():
     runner = ModelRunner(model, 8, 4)
     config = model.config
     assert runner.bytes_per_block == 2 * config.num_hidden_layers * 4 * 2 * 16 * 4
-    assert ModelRunner.bytes_per_block_for(config, 4, torch.float16) == runner.bytes_per_block // 2
+    assert kv_bytes_per_block(config, 4, torch.float16) == runner.bytes_per_block // 2
     for pool in runner.k_pools + runner.v_pools:
         pool.normal_()
     before = [p.clone() for p in runner.k_pools + runner.v_pools]
@@ -234,3 +388,21 @@ def test_bench_engine_quick_smoke(capsys):
     assert set(report["systems"]) == {"static", "continuous", "minikv"}
     assert report["identical_to_transformers"] == 3 and report["continuous_identical_to_static"] == 3
     assert report["profile"]["steps"] > 0
+
+
+def test_bench_engine_repeats_and_ablates(capsys):
+    """--repeat times each system (and each lever switched off) that many times and keeps the median; the
+    levers are the runner's switches and keep the tokens; --vllm on another model says why it skips."""
+    import json
+
+    from minikv.__main__ import main
+
+    argv = ["bench", "engine", "--model", "tiny-random-llama", "--quick", "--n", "3", "--systems", "static,minikv",
+            "--repeat", "2", "--ablate", "--vllm", "--json"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out[out.index("{"):])
+    assert all(len(r["runs"]) == 2 and r["seconds"] == min(r["runs"]) for r in report["systems"].values())
+    assert set(report["ablation"]) == {"prepacked linears", "CPU attention kernel", "any lever"}
+    assert all(a["identical"] == 3 and len(a["runs"]) == 2 for a in report["ablation"].values())
+    assert "vllm: skipped" in out and "vllm" not in report["systems"]

@@ -1,4 +1,4 @@
-"""The scheduler and block manager under random traffic, with a model-free runner (minikv.fake_runner).
+"""The scheduler and block manager under random traffic, with a model-free runner (minikv.sim.fake_runner).
 
 The fake runner's next token is a hash of the whole sequence read back through the block table,
 so the greedy tokens are known in advance (`reference_tokens`) and any bookkeeping slip (a wrong
@@ -14,14 +14,16 @@ added, so the head of the line always fits eventually and nothing stalls.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from minikv.engine import LLMEngine
-from minikv.fake_runner import FakeRunner, reference_tokens
 from minikv.models import tiny_random_llama
 from minikv.sampling import SamplingParams
+from minikv.scheduler import Scheduler, SchedulerStep
 from minikv.sequence import SeqStatus
+from minikv.sim.fake_runner import FakeRunner, reference_tokens
 
 MODEL = tiny_random_llama()
 VOCAB = MODEL.config.vocab_size
@@ -47,7 +49,8 @@ def check_block_accounting(eng: LLMEngine) -> None:
         for b in table.blocks:
             owners[b] += 1
     for b in range(eng.num_blocks):
-        assert bm.allocator.refcount(b) == owners[b], f"block {b}: refcount {bm.allocator.refcount(b)} != {owners[b]} owners"
+        assert bm.allocator.refcount(b) == owners[b], (f"block {b}: refcount {bm.allocator.refcount(b)} "
+                                                       f"!= {owners[b]} owners")
     held = sum(1 for c in owners if c)
     assert bm.num_free_blocks == eng.num_blocks - held
     sched = eng.scheduler
@@ -74,13 +77,13 @@ class EngineMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.eng is None)
     @rule(mode=st.sampled_from(["recompute", "swap"]), chunked=st.booleans(), caching=st.booleans(),
           budget=st.sampled_from([4, 7, 32]), seqs=st.sampled_from([2, 4, 64]), watermark=st.sampled_from([0, 0.05]),
-          swap_blocks=st.sampled_from([None, "4KiB"]))
-    def start(self, mode, chunked, caching, budget, seqs, watermark, swap_blocks):
+          swap_blocks=st.sampled_from([None, "4KiB"]), cap=st.sampled_from([None, 3, 5]))
+    def start(self, mode, chunked, caching, budget, seqs, watermark, swap_blocks, cap):
         if not chunked:
-            budget = 64   # a whole sequence must fit in one step without chunking
+            budget, cap = 64, None   # a whole sequence must fit in one step without chunking
         self.eng = make_engine(preemption_mode=mode, enable_chunked_prefill=chunked, enable_prefix_caching=caching,
                                max_num_batched_tokens=budget, max_num_seqs=seqs, watermark=watermark,
-                               swap_space=swap_blocks)
+                               swap_space=swap_blocks, long_prefill_token_threshold=cap)
 
     @precondition(lambda self: self.eng is not None)
     @rule(shared=st.booleans(), tail=st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=20),
@@ -122,7 +125,8 @@ class EngineMachine(RuleBasedStateMachine):
                 self.admitted.append(rid)
         order = [r for r in self.arrived if r in set(self.admitted)]
         assert self.admitted == order, "a request was admitted before an earlier one"
-        first_not_admitted = next((r for r in self.arrived if r not in set(self.admitted) and r not in self.aborted), None)
+        first_not_admitted = next((r for r in self.arrived if r not in set(self.admitted) and r not in self.aborted),
+                                  None)
         if first_not_admitted is not None:
             later = self.arrived[self.arrived.index(first_not_admitted) + 1:]
             assert not set(later) & set(self.admitted), "a waiting request was skipped"
@@ -221,6 +225,36 @@ def test_decodes_go_first_and_prefill_is_chunked():
     assert eng.requests["long"].seqs[0].num_computed == 35
 
 
+def test_long_prefill_token_threshold_caps_each_chunk_within_the_same_budget():
+    """vLLM V1's knob: one request's prefill chunk is at most the cap, the step's budget is unchanged
+    (two prompts can prefill side by side in one step), and a prompt under the cap goes in one piece."""
+    eng = make_engine(num_blocks=64, block_size=4, max_num_batched_tokens=32, long_prefill_token_threshold=8)
+    assert eng.scheduler.config.max_num_batched_tokens == 32
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    eng.add_request("short", [5, 6, 7], params)
+    eng.add_request("long", list(range(3, 43)), params)        # 40 tokens: 5 chunks of 8
+    eng.add_request("long2", list(range(50, 70)), params)      # 20 tokens: 8, 8, 4
+    chunks: dict[str, list[int]] = {"short": [], "long": [], "long2": []}
+    schedule = eng.scheduler.schedule
+
+    def spy():   # record every step's prefill chunks as the scheduler hands them out
+        batch = schedule()
+        assert batch.prefill_tokens + batch.decode_tokens <= 32
+        for sc in batch.scheduled:
+            if sc.start < sc.seq.num_prompt_tokens:
+                chunks[sc.seq.request.request_id].append(sc.num_tokens)
+        return batch
+
+    eng.scheduler.schedule = spy
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert chunks == {"short": [3], "long": [8] * 5, "long2": [8, 8, 4]}
+    assert eng.step_stats[0].prefill_tokens == 3 + 8 + 8        # three requests share the first step
+    for rid, prompt in (("short", [5, 6, 7]), ("long", list(range(3, 43))), ("long2", list(range(50, 70)))):
+        assert done[rid].outputs[0].token_ids == expected(prompt, params)
+
+
 def test_request_too_big_for_pool_is_refused_and_does_not_stall():
     eng = make_engine(num_blocks=8, block_size=4)
     with pytest.raises(ValueError, match=r"cannot fit even alone.*9 blocks.*pool has 8"):
@@ -252,7 +286,7 @@ def test_n_samples_share_the_prompt_blocks():
     eng.step()   # prefill, then fork into 3
     req = eng.requests["r"]
     assert len(req.seqs) == 3 and eng.bm.num_shared_blocks == 3   # 10 prompt tokens: 3 blocks, each owned by 3
-    outs = run_all(eng, [])
+    run_all(eng, [])
     assert [c.token_ids for c in req.output.outputs] == [expected(list(range(3, 13)), req.params)] * 3
 
 
@@ -293,3 +327,54 @@ def test_metrics_summaries():
         m = o.metrics
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
         assert len(m.token_times) == len(o.outputs[0].token_ids) and m.max_gap >= m.tpot
+
+
+# ---- the policy API: can_admit and choose_victim are the seam a policy overrides -----------------
+
+class OldestFirstVictims(Scheduler):
+    """A different policy through the public hooks only: the *oldest* candidate gives way, and no
+    more than three sequences run at once."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.steps_seen: list[SchedulerStep] = []
+
+    def can_admit(self, seq, num_tokens, step):
+        self.steps_seen.append(step)
+        return len(self.running) < 3 and super().can_admit(seq, num_tokens, step)
+
+    def choose_victim(self, seq, step):
+        candidates = self.victim_candidates(seq, step)
+        return candidates[0] if candidates else seq
+
+
+def with_scheduler(eng: LLMEngine, cls) -> LLMEngine:
+    old = eng.scheduler
+    eng.scheduler = cls(old.config, old.bm, old.runner)
+    return eng
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_policy_through_the_public_hooks_changes_the_schedule_not_the_tokens(mode):
+    reqs = pressure_requests()
+    default = make_engine(num_blocks=24, block_size=4, preemption_mode=mode)
+    run_all(default, reqs)
+    eng = with_scheduler(make_engine(num_blocks=24, block_size=4, preemption_mode=mode), OldestFirstVictims)
+    outs = run_all(eng, pressure_requests())
+    for rid, prompt, params in reqs:
+        assert outs[rid].outputs[0].token_ids == expected(prompt, params)
+    assert eng.scheduler.num_preemptions > 0 and max(s.num_running for s in eng.step_stats) <= 3
+    assert [s.preemptions for s in eng.step_stats] != [s.preemptions for s in default.step_stats]
+    # every step got a fresh SchedulerStep: nothing of one step is left on the scheduler for the next
+    assert len({id(s) for s in eng.scheduler.steps_seen}) > 1
+    assert not any(name.startswith("_budget") or name in ("_done", "_out") for name in vars(eng.scheduler))
+
+
+def test_a_victim_that_is_not_a_candidate_is_refused_with_a_message():
+    class Bad(Scheduler):
+        def choose_victim(self, seq, step):
+            return next(s for s in self.running if s is not seq and s.seq_id in step.scheduled_ids)
+
+    eng = with_scheduler(make_engine(num_blocks=24, block_size=4), Bad)
+    with pytest.raises(ValueError, match="choose_victim returned .* victim_candidates"):
+        run_all(eng, pressure_requests())

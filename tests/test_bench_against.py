@@ -1,0 +1,30 @@
+"""`bench serve --against vllm` without vLLM: its flags are checked, a missing .venv-vllm says what to run,
+and the side-by-side table prints both columns and their ratio. (The run itself needs `make vllm`.)"""
+
+import pytest
+
+from minikv.bench import against
+from minikv.bench.serve import parse_args
+
+
+def test_vllm_url_must_be_loopback():
+    with pytest.raises(ValueError, match="--vllm-url must be a loopback address"):
+        parse_args(["--against", "vllm", "--vllm-url", "http://10.1.2.3:8000"])
+    args, rates = parse_args(["--against", "vllm", "--rates", "1,2"])
+    assert args.against == "vllm" and rates == [1.0, 2.0]
+
+
+def test_a_missing_vllm_venv_says_what_to_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(against, "VLLM_PYTHON", tmp_path / "nope" / "python")
+    with pytest.raises(RuntimeError, match="run `make vllm` first"):
+        against.start_vllm(tmp_path, wait=1)
+
+
+def test_side_by_side_prints_both_and_the_ratio(capsys):
+    rep = {"completed": 8, "refused_429": 0, "request_throughput": 2.0, "output_throughput": 100.0,
+           "ttft_ms": {"p50": 50.0, "p99": 90.0}, "tpot_ms": {"p50": 10.0, "p99": 12.0},
+           "itl_ms": {"p99": 20.0}, "e2e_ms": {"p50": 500.0}, "goodput": {"fraction": 1.0},
+           "peak_kv_usage": None}
+    against.side_by_side(2.0, {"minikv": rep, "vllm": rep | {"output_throughput": 200.0}})
+    out = capsys.readouterr().out
+    assert "minikv" in out and "vllm" in out and "0.50x" in out
