@@ -1,0 +1,242 @@
+"""The HTTP routes: OpenAI's completions and chat completions, models, health and metrics.
+
+A request's path through a handler: API key -> body (size-limited) -> `protocol.parse` -> model
+name -> tokenize (the chat template for chat) -> `protocol.check_fits` -> `EngineLoop.submit`
+(or 429 when ``max_waiting`` requests already wait) -> await the request's outbox, sending each
+update as server-sent-event chunks or collecting it into one response. If the client goes away
+before its request finishes, the handler aborts it; the engine frees its blocks within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minikv.server.detok import IncrementalText
+from minikv.server.engine_loop import Delta, EngineLoop, ServerClosing, Update
+from minikv.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_fits, parse
+from minikv.server.responses import Choice, Envelope, sse, usage
+
+log = logging.getLogger("minikv.server")
+
+
+@dataclass
+class ServerState:
+    loop: EngineLoop
+    tokenizer: object
+    model_name: str
+    max_waiting: int | None = None        # requests accepted but not started; past it: 429
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    metrics: object = None                # ServerMetrics
+    max_num_seqs: int = 64                # the engine's seat limit: n above it can never run
+
+    @property
+    def engine(self):
+        return self.loop.engine
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="minikv", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.minikv = state
+    ids = itertools.count()
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, err: APIError):
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, err):
+        return JSONResponse(APIError(err.status_code, f"{err.detail}: {request.method} {request.url.path}; "
+                                     "the API is under /v1 (completions, chat/completions, models)").body(),
+                            status_code=err.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(request, err):   # never a traceback to the client; the log has it
+        log.exception("internal error on %s", request.url.path)
+        return JSONResponse(APIError(500, f"internal error ({type(err).__name__}); the server log has the "
+                                          "details").body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        ok = state.loop.alive and state.loop.accepting
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _check_key(request, state)
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+                                            "owned_by": "minikv", "root": state.model_name,
+                                            "max_model_len": state.engine.max_model_len,
+                                            "vocab_size": state.engine.vocab_size}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, state, CompletionRequest, f"cmpl-{uuid.uuid4().hex[:16]}-{next(ids)}")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(request, state, ChatCompletionRequest, f"chatcmpl-{uuid.uuid4().hex[:16]}-{next(ids)}")
+
+    return app
+
+
+def _check_key(request: Request, state: ServerState) -> None:
+    if state.api_key and request.headers.get("authorization") != f"Bearer {state.api_key}":
+        raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the "
+                            "key the server was started with (--api-key / MINIKV_API_KEY)")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body has {declared} bytes; this server takes at most {limit}")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise APIError(413, f"the request body is larger than {limit} bytes; send a shorter prompt")
+    return bytes(body)
+
+
+def _tokenize(req, state: ServerState) -> tuple[str | None, list[int]]:
+    tok, engine = state.tokenizer, state.engine
+    if isinstance(req, ChatCompletionRequest):
+        conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        except Exception as err:  # a template may refuse a conversation (e.g. roles out of order)
+            raise APIError(400, f"the chat template refused these messages: {err}", "messages") from None
+        # the template wrote any special tokens it wants: do not add them again (as LLM.chat does)
+        return text, tok.encode(text, add_special_tokens=False)
+    if isinstance(req.prompt, str):
+        return req.prompt, tok.encode(req.prompt)
+    if not all(0 <= t < engine.vocab_size for t in req.prompt):
+        raise APIError(400, f"prompt token ids must lie in [0, {engine.vocab_size}) (the model's vocabulary)",
+                       "prompt")
+    return None, list(req.prompt)
+
+
+async def _serve(request: Request, state: ServerState, kind, request_id: str):
+    arrival = time.perf_counter()
+    _check_key(request, state)
+    req = parse(kind, await _read_body(request, state.max_body_bytes))
+    if req.model is not None and req.model != state.model_name:
+        raise APIError(404, f"the model {req.model!r} does not exist here; this server serves "
+                            f"{state.model_name!r} (GET /v1/models lists it)", "model")
+    text, ids = _tokenize(req, state)
+    engine = state.engine
+    param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    max_tokens = check_fits(len(ids), req.requested_max_tokens, context=engine.max_model_len,
+                            num_blocks=engine.num_blocks, block_size=engine.block_size, param=param)
+    seats = state.max_num_seqs
+    if req.n > seats:
+        raise APIError(400, f"n={req.n} samples cannot run together: the server runs at most {seats} sequences "
+                            f"at once (--max-num-seqs); lower n", "n")
+    params = req.sampling_params(max_tokens)
+    try:
+        outbox = state.loop.submit(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
+                                   max_queued=state.max_waiting, arrival_time=arrival)
+    except OverflowError as err:
+        why = err.args[0] if err.args and isinstance(err.args[0], str) else \
+            f"{state.max_waiting} requests are already waiting to start (--max-waiting)"
+        raise APIError(429, f"the server is full: {why}; retry after a moment", headers={"Retry-After": "1"}) \
+            from None
+    except ServerClosing:
+        raise APIError(503, "the server is shutting down; send the request to another server or retry later") \
+            from None
+    hold = max((len(s) for s in params.stop), default=1) - 1 if params.stop else 0
+    choices = [Choice(i, None if params.stop else IncrementalText(state.tokenizer, ids), hold)
+               for i in range(params.n)]
+    env = Envelope(request_id, state.model_name, chat=isinstance(req, ChatCompletionRequest),
+                   prompt_token_ids=ids)
+    if req.stream:
+        return StreamingResponse(_stream(state, request_id, outbox, env, choices, req, len(ids)),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await _collect(request, state, request_id, outbox, env, choices, req, len(ids))
+
+
+def _finish_missing(choices: list[Choice], update: Update) -> None:
+    """An aborted request may never have forked into its n samples: they end too, as aborted."""
+    if update.finished:
+        present = {d.index for d in update.deltas}
+        update.deltas += [Delta(c.index, [], None, "abort") for c in choices
+                          if c.finish_reason is None and c.index not in present]
+
+
+async def _stream(state, request_id, outbox, env: Envelope, choices, req, prompt_len):
+    finished = False
+    try:
+        if env.chat:
+            for c in choices:
+                yield sse(env.chunk(c, "", None, role=True))
+        info = None
+        while not finished:
+            update: Update = await outbox.get()
+            finished = update.finished
+            if update.error:
+                yield sse(APIError(update.error_status, update.error).body())
+                info = None
+                break
+            _finish_missing(choices, update)
+            chunks = []
+            for d in update.deltas:
+                c = choices[d.index]
+                text = c.apply(d.token_ids, d.text, d.finish_reason)
+                if text or d.finish_reason or (req.return_token_ids and d.token_ids):
+                    chunks.append(env.chunk(c, text, d.finish_reason, d.token_ids if req.return_token_ids else None))
+            if finished:
+                info = update.info
+                if chunks and not req.include_usage:
+                    chunks[-1]["minikv"] = info or {}
+            for chunk in chunks:
+                yield sse(chunk)
+        if req.include_usage and finished and info is not None:
+            yield sse(env.usage_chunk(usage(info, choices, prompt_len)) | {"minikv": info or {}})
+        yield sse("[DONE]")
+    finally:
+        if not finished:   # the client went away (or the server is stopping): free its blocks now
+            state.loop.abort(request_id)
+
+
+async def _collect(request: Request, state, request_id, outbox, env: Envelope, choices, req, prompt_len):
+    async def run() -> Update:
+        while True:
+            update = await outbox.get()
+            if update.error:
+                raise APIError(update.error_status, update.error,
+                               headers={"Retry-After": "1"} if update.error_status == 429 else None)
+            _finish_missing(choices, update)
+            for d in update.deltas:
+                choices[d.index].apply(d.token_ids, d.text, d.finish_reason)
+            if update.finished:
+                return update
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.create_task(run()), asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():   # the client went away before its answer: abort it, free its blocks
+            work.cancel()
+            state.loop.abort(request_id)
+    if not work.done() or work.cancelled():
+        return Response(status_code=499)
+    update = work.result()
+    return env.response(choices, usage(update.info, choices, prompt_len), update.info, req.return_token_ids)

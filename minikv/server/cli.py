@@ -1,0 +1,144 @@
+"""`python -m minikv serve`: load a model, size the KV pool, start the engine thread and uvicorn.
+
+Safe by default: it binds 127.0.0.1 (``--host 0.0.0.0`` opens it to the network, on purpose),
+``--api-key`` (or ``MINIKV_API_KEY``) asks every ``/v1`` request for ``Authorization: Bearer KEY``,
+a request body is at most ``--max-request-bytes``, at most ``--max-waiting`` requests wait to
+start (then 429), and the model is chosen here, never by a request.
+
+Stopping: on SIGINT or SIGTERM the server stops accepting, the engine aborts what is still in
+flight (every streamed request gets a finish reason, ``abort``, and ``[DONE]``), the connections
+close and the process exits 0, within a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+
+SERVE_HELP = "serve the model over vLLM's OpenAI-compatible HTTP API (FastAPI + uvicorn)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default) or tiny-random-llama (tests)")
+    p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory)")
+    p.add_argument("--kv-cache-memory", default=None, help="KV pool size in bytes or like '256MiB' "
+                                                           "(default: 1 GiB on the CPU, capped by --max-num-seqs)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one batch at most (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most (default 2048)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the KV blocks of repeated prompt prefixes (default on)")
+    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    p.add_argument("--max-waiting", type=int, default=128,
+                   help="requests accepted but not yet started at most; past it 429 + Retry-After (default 128)")
+    p.add_argument("--api-key", default=os.environ.get("MINIKV_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $MINIKV_API_KEY, else none)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch's CPU threads for the forward (default: torch's choice; 1 on a busy shared machine, "
+                        "where threads that wait for each other stall every step)")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
+
+
+def _uvicorn_server(config, engine_loop):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a signal first tells the engine to finish everyone, and exits 0 after."""
+
+        def handle_exit(self, sig, frame):
+            # From a signal handler: take no lock here (the interrupted code may hold it); a thread may.
+            threading.Thread(target=engine_loop.shutdown, daemon=True).start()
+            super().handle_exit(sig, frame)
+
+        def capture_signals(self):   # uvicorn re-raises the signal after a graceful stop: we exit 0 instead
+            import contextlib
+            import signal
+
+            @contextlib.contextmanager
+            def captured():
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                before = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for s, handler in before.items():
+                        signal.signal(s, handler)
+            return captured()
+
+    return Server(config)
+
+
+def run_server(args) -> int:
+    import uvicorn
+
+    from minikv.engine import LLMEngine
+    from minikv.models import ALIASES, TINY, load_model
+    from minikv.server.app import ServerState, create_app
+    from minikv.server.engine_loop import EngineLoop
+    from minikv.server.metrics import ServerMetrics
+    from minikv.sizing import fmt_bytes
+
+    for flag in ("port", "max_waiting", "max_request_bytes"):
+        if getattr(args, flag) < (0 if flag == "port" else 1):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    if tokenizer is None and ALIASES.get(args.model, args.model) == TINY:
+        from minikv.server.tokenizer import byte_tokenizer
+        tokenizer = byte_tokenizer()   # so the tiny test model reads text and chat too
+    engine = LLMEngine(model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
+                       kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
+                       verbose=False)
+    name = args.served_model_name or args.model
+    metrics = ServerMetrics(name)
+    loop = EngineLoop(engine, metrics)
+    state = ServerState(loop, tokenizer, name, max_waiting=args.max_waiting, api_key=args.api_key,
+                        max_body_bytes=args.max_request_bytes, metrics=metrics, max_num_seqs=args.max_num_seqs)
+    metrics.after_step(engine, live=False, stepped=False)
+    loop.start()
+    pool = engine.num_blocks * engine.block_size
+    print(f"minikv serve: http://{args.host}:{args.port}/v1  model {name!r} ({engine.device}, context "
+          f"{engine.max_model_len})\n  KV pool: {engine.num_blocks} blocks x {engine.block_size} tokens = {pool} "
+          f"tokens, {fmt_bytes(engine.num_blocks * engine.bytes_per_block)}; prefix caching "
+          f"{'on' if args.enable_prefix_caching else 'off'}, preemption {args.preemption_mode}, "
+          f"max {args.max_num_seqs} seqs, max {args.max_waiting} waiting"
+          f"{'; API key required' if args.api_key else ''}", flush=True)
+    config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=False, timeout_graceful_shutdown=5, lifespan="off")
+    server = _uvicorn_server(config, loop)
+    server.run()
+    loop.shutdown()          # (already done if a signal stopped us)
+    loop.join(timeout=10)
+    print("minikv serve: stopped", flush=True)
+    return 0 if server.started else 1
+
+
+def exit_now(code: int) -> None:
+    """End the process once the server has stopped. Everything is answered and flushed by then; the
+    interpreter's own teardown (freeing torch and transformers module by module) would add seconds on
+    a busy machine to a SIGTERM that should take a moment, so it is skipped."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minikv serve", description=SERVE_HELP)
+    add_arguments(p)
+    exit_now(run_server(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""The engine loop: one thread steps the engine; HTTP handlers hand it requests and await tokens.
+
+Two sides, and what crosses between them:
+
+* **Handlers** run on uvicorn's asyncio event loop. `submit()` tokenizes nothing and computes
+  nothing: it puts ``("add", ...)`` on the *inbox* (a thread-safe `queue.Queue`) and returns an
+  `asyncio.Queue`, the request's *outbox*, which the handler awaits. `abort()` puts
+  ``("abort", id)`` on the inbox. Neither waits for the engine.
+* **The engine thread** owns the `LLMEngine`; nothing else touches it. Each turn it drains the
+  inbox (`add_request` / `abort_request`), runs one `engine.step()` if any request is live, and
+  posts each changed request's new tokens to its outbox with ``loop.call_soon_threadsafe`` (which
+  only schedules a `put_nowait` on the event loop: it never waits). With nothing live it sleeps
+  on the inbox, so an idle server burns no CPU.
+
+Why nothing blocks a model forward: the forward runs in the engine thread, which never waits on
+the event loop, and the handlers never wait on the engine (torch releases the GIL inside its
+kernels, so the event loop keeps parsing, detokenizing and writing chunks while a forward runs).
+A request that arrives mid-step waits in the inbox until that step ends and joins the batch at
+the next `schedule()`: continuous batching, seen from outside. A client that disconnects is
+aborted at the start of the next turn, i.e. within one step, and `abort_request` frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from minikv.sampling import SamplingParams
+from minikv.server.admission import Gate
+
+
+@dataclass
+class Delta:
+    """What one sample gained in one step: new token ids, its text so far (stop-string requests
+    only: the engine cuts their text), and a finish reason once it has one."""
+    index: int
+    token_ids: list[int]
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Update:
+    """One post to a request's outbox. `info` is set on its last update: usage and per-request metrics."""
+    deltas: list[Delta] = field(default_factory=list)
+    finished: bool = False
+    info: dict | None = None
+    error: str | None = None
+    # 400: the engine refused the request; 429: admission refused it; 500: the engine failed
+    error_status: int = 400
+
+
+class ServerClosing(RuntimeError):
+    """The server is shutting down: new requests are refused (503)."""
+
+
+@dataclass
+class _Live:
+    outbox: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    stop: bool                                  # has stop strings: stream the engine's (cut) text
+    sent: dict[int, int] = field(default_factory=dict)   # sample index -> tokens posted
+    done: set = field(default_factory=set)      # sample indices whose finish was posted
+    started: bool = False                       # its first token arrived (it no longer counts as queued)
+    itl_seen: int = 0                           # token_times already observed by the ITL histogram
+
+    def post(self, update: Update) -> None:
+        self.loop.call_soon_threadsafe(self.outbox.put_nowait, update)
+
+
+class EngineLoop:
+    """Owns the engine and its thread. `metrics` (a `minikv.server.metrics.ServerMetrics`) is updated per step."""
+
+    def __init__(self, engine, metrics=None, policy=None):
+        self.engine, self.metrics = engine, metrics
+        # admission (minikv.server.admission): a policy decides admit / queue / refuse; None: --max-waiting only
+        self.gate = Gate(policy, engine.block_size) if policy is not None else None
+        self._step_s = 0.0
+        if self.gate is not None:
+            self.gate.snapshot(engine, 0, 0.0)
+        self.inbox: queue.Queue = queue.Queue()
+        self._live: dict[str, _Live] = {}       # engine thread only
+        self._lock = threading.Lock()           # guards num_queued and accepting (both sides touch them)
+        self.num_queued = 0                     # accepted, no token yet: what --max-waiting bounds
+        self.accepting = True
+        self._thread = threading.Thread(target=self._run, name="minikv-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- the handler side (event loop thread) ----------------------------------------------------------
+    def submit(self, request_id: str, prompt: dict, params: SamplingParams, max_queued: int | None = None,
+               arrival_time: float | None = None) -> asyncio.Queue:
+        """Hand a validated request to the engine; raises ServerClosing, or OverflowError past `max_queued`."""
+        with self._lock:
+            if not self.accepting:
+                raise ServerClosing("the server is shutting down")
+            kind = "add"
+            if self.gate is not None:
+                kind, reason = self.gate.on_arrival(len(prompt["prompt_token_ids"]), params.max_tokens,
+                                                    self.num_queued)
+                if kind == "refuse":
+                    raise OverflowError(reason)
+            elif max_queued is not None and self.num_queued >= max_queued:
+                raise OverflowError(self.num_queued)
+            self.num_queued += 1
+        outbox: asyncio.Queue = asyncio.Queue()
+        live = _Live(outbox, asyncio.get_running_loop(), bool(params.stop))
+        item = ("add", request_id, prompt, params, arrival_time or time.perf_counter(), live)
+        self.inbox.put(("hold", item) if kind == "queue" else item)
+        return outbox
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        """Stop accepting; the engine thread aborts what is in flight (each gets finish_reason "abort") and exits."""
+        with self._lock:
+            self.accepting = False
+        self.inbox.put(("drain",))
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the engine side (its own thread) ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                gate = self.gate
+                if not self._drain_inbox(block=not self._live and not (gate and gate.held)):
+                    return
+                if gate is not None and gate.held:
+                    gate.release(self.engine, self.num_queued, self._step_s, lambda item: self._add(*item[1:]),
+                                 self._refuse_held)
+                    if not self._live:
+                        time.sleep(0.01)   # held requests and an idle engine: ask again in a moment
+                if self._live:
+                    self._post(self.engine.step())
+                    self._step_s = self.engine.step_stats[-1].duration if self.engine.step_stats else 0.0
+                    if gate is not None:
+                        gate.snapshot(self.engine, self.num_queued, self._step_s)
+                    if self.metrics is not None:
+                        self.metrics.after_step(self.engine, bool(self._live))
+                    if len(self.engine.step_stats) > 4096:   # a server runs for days: keep the recent steps only
+                        del self.engine.step_stats[:-1024]
+        except BaseException as err:   # a bug: tell every waiting client instead of leaving it hanging
+            self.error = err
+            with self._lock:
+                self.accepting = False
+            for rid in list(self._live):
+                self._end(rid, "abort", error=f"the engine failed ({type(err).__name__}: {err}); the server log "
+                                              f"has the details")
+            raise
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply every queued add/abort; False once a drain asked the thread to stop."""
+        while True:
+            try:
+                item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                if block:
+                    continue
+                return True
+            block = False
+            kind = item[0]
+            if kind == "add":
+                self._add(*item[1:])
+            elif kind == "hold":
+                add = item[1]
+                self.gate.held.append((add[1], add[4], len(add[2]["prompt_token_ids"]), add[3].max_tokens, add))
+            elif kind == "abort" and self.gate is not None and self.gate.drop(item[1]) is not None:
+                with self._lock:
+                    self.num_queued -= 1
+            elif kind == "abort":
+                live = self._live.pop(item[1], None)
+                if live is not None and not live.started:
+                    with self._lock:
+                        self.num_queued -= 1
+                self.engine.abort_request(item[1])
+                if self.metrics is not None:
+                    self.metrics.after_step(self.engine, bool(self._live), stepped=False)
+            elif kind == "drain":
+                while self.gate is not None and self.gate.held:
+                    self._refuse_held(self.gate.held.popleft()[4], "the server is shutting down", 503)
+                for rid in list(self._live):
+                    self._end(rid, "abort")
+                return False
+
+    def _add(self, request_id, prompt, params, arrival, live: _Live) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+        except ValueError as err:   # the handler checked first; this is the engine's own word
+            with self._lock:
+                self.num_queued -= 1
+            live.post(Update(finished=True, error=str(err)))
+            return
+        self._live[request_id] = live
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(prompt["prompt_token_ids"]))
+
+    def _post(self, outputs) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:   # aborted by us already
+                continue
+            update = Update()
+            new_tokens = 0
+            for c in out.outputs:
+                ids = c.token_ids
+                start = live.sent.get(c.index, 0)
+                reason = c.finish_reason if c.index not in live.done else None
+                if len(ids) > start or reason:
+                    update.deltas.append(Delta(c.index, list(ids[start:]), c.text if live.stop else None, reason))
+                    new_tokens += len(ids) - start
+                    live.sent[c.index] = len(ids)
+                    if reason:
+                        live.done.add(c.index)
+            if new_tokens and not live.started:
+                live.started = True
+                with self._lock:
+                    self.num_queued -= 1
+            if self.metrics is not None:
+                live.itl_seen = self.metrics.after_tokens(out.metrics, new_tokens, live.itl_seen)
+            if out.finished:
+                update.finished = True
+                update.info = self._info(out, now)
+                del self._live[out.request_id]
+                if not live.started:
+                    with self._lock:
+                        self.num_queued -= 1
+                if self.metrics is not None:
+                    self.metrics.after_finish(out.metrics, now)
+            live.post(update)
+
+    def _refuse_held(self, item: tuple, reason: str, status: int = 429) -> None:
+        """A held request refused after all (by the policy, or at shutdown): its client gets `status`."""
+        with self._lock:
+            self.num_queued -= 1
+        item[5].post(Update(finished=True, error=reason, error_status=status))
+
+    def _end(self, request_id: str, reason: str, error: str | None = None) -> None:
+        """Abort a live request and tell its client so, with a finish reason for every unfinished sample."""
+        live = self._live.pop(request_id)
+        out = self.engine.abort_request(request_id)
+        if not live.started:
+            with self._lock:
+                self.num_queued -= 1
+        update = Update(finished=True, error=error, error_status=500)
+        if out is not None:
+            for c in out.outputs:
+                if c.index not in live.done:
+                    ids = c.token_ids
+                    update.deltas.append(Delta(c.index, list(ids[live.sent.get(c.index, 0):]),
+                                               c.text if live.stop else None, reason))
+            update.info = self._info(out, time.perf_counter())
+        live.post(update)
+
+    @staticmethod
+    def _info(out, now: float) -> dict:
+        m = out.metrics
+        return {"prompt_tokens": len(out.prompt_token_ids),
+                "completion_tokens": sum(len(c.token_ids) for c in out.outputs),
+                "cached_tokens": m.cached_prompt_tokens, "preemptions": m.preemptions,
+                "ttft_s": m.ttft, "queue_s": (m.first_scheduled_time - m.arrival_time)
+                if m.first_scheduled_time is not None else None,
+                "e2e_s": now - m.arrival_time, "max_itl_s": m.max_gap,
+                "arrival_s": m.arrival_time, "finished_s": now}   # the server's clock (perf_counter)
