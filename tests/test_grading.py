@@ -5,8 +5,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minikv.grading import (generate_exercises, grade, grade_notebook, make_exercise, run_checks,
-                            strip_solutions)
+from minikv.grading import generate_exercises, grade, grade_notebook, make_exercise, run_checks, strip_solutions
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -105,9 +104,9 @@ def test_a_crash_inside_a_library_points_at_the_learners_cell():
 
 # ---- the sandbox: proxies, exceptions, delegation ------------------------------------------------
 
-from minikv.delegation import find_delegation  # noqa: E402
 from minikv.grading import peek  # noqa: E402
-from minikv.sandbox import ChildDied, Delegation, Sandbox  # noqa: E402
+from minikv.grading.delegation import find_delegation  # noqa: E402
+from minikv.grading.sandbox import ChildDied, Delegation, Sandbox  # noqa: E402
 
 LEARNER = '''
 class OutOfRoom(RuntimeError):
@@ -140,7 +139,7 @@ def stub():
 def test_sandbox_proxies_classes_instances_and_the_graders_objects():
     from minikv.blocks import BlockAllocator
 
-    with Sandbox([(LEARNER, "<t cell 0>")], timeout=60, memory_bytes=None) as box:
+    with Sandbox([(LEARNER, "<t cell 0>")], timeout=60, memory_budget=None) as box:
         ns = box.namespace
         assert not box.death and "Pool" in ns and "nothing" not in ns
         pool = ns["Pool"](3)                    # a class proxy makes an instance in the child
@@ -159,10 +158,11 @@ def test_sandbox_proxies_classes_instances_and_the_graders_objects():
 
 
 def test_sandbox_child_death_and_time_limit():
-    with Sandbox([("import os\nos._exit(3)\n", "<t cell 0>")], timeout=60, memory_bytes=None) as box:
+    with Sandbox([("import os\nos._exit(3)\n", "<t cell 0>")], timeout=60, memory_budget=None) as box:
         assert "exited with status 3" in box.death and "<t cell 0>" in box.death
-    with Sandbox([("def spin():\n    while True:\n        pass\n", "<t cell 0>")], timeout=3,
-                 memory_bytes=None) as box:
+    # the time limit counts from the start: the child's imports (torch, minikv) come first
+    with Sandbox([("def spin():\n    while True:\n        pass\n", "<t cell 0>")], timeout=20,
+                 memory_budget=None) as box:
         with pytest.raises(ChildDied, match="time limit"):
             box.namespace["spin"]()
 
@@ -170,7 +170,7 @@ def test_sandbox_child_death_and_time_limit():
 def test_runtime_tripwire_catches_hidden_delegation():
     src = ("import minikv.sizing as s\nf = getattr(s, 'kv_bytes_' + 'per_token')\n"
            "def mine(cfg):\n    return f(cfg)\n")
-    with Sandbox([(src, "<t cell 0>")], timeout=60, memory_bytes=None,
+    with Sandbox([(src, "<t cell 0>")], timeout=60, memory_budget=None,
                  tripwires=("minikv.sizing.kv_bytes_per_token",)) as box:
         with pytest.raises(Delegation, match="minikv.sizing.kv_bytes_per_token"):
             box.namespace["mine"]({"num_hidden_layers": 1, "num_attention_heads": 1, "hidden_size": 8})
@@ -202,4 +202,27 @@ def test_notebook_self_check_says_so(capsys):
     grade("01", {"In": ["from minikv.sizing import kv_cache_bytes\n"], "kv_cache_bytes": lambda *a: 0})
     out = capsys.readouterr().out
     assert "self-check" in out and "python -m minikv grade" in out
-    assert "is minikv's minikv.sizing.kv_cache_bytes" in out
+    assert "is minikv's minikv.sizing.kv_cache_bytes" in " ".join(out.split())  # verdicts wrap at words
+
+
+def test_digest_names_what_changed(tmp_path, monkeypatch):
+    """The digest of the grader's files sees an edit, a new file (a planted .pyc) and a removal."""
+    import shutil
+
+    from minikv.grading import integrity
+
+    for name in ("minikv", "kernels"):
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(integrity, "PACKAGE", tmp_path / "minikv")
+    monkeypatch.setattr(integrity, "REPO", tmp_path)
+    before = integrity.snapshot()
+    assert integrity.changed(before) == []
+    with open(tmp_path / "minikv/grading/checks/ex01_bytes.py", "a") as f:
+        f.write("\n")
+    (tmp_path / "minikv/__pycache__").mkdir()
+    (tmp_path / "minikv/__pycache__/sizing.cpython-311.pyc").write_bytes(b"planted")
+    # A cache file another grader is writing right now (its temporary name; import never loads it): not a change.
+    (tmp_path / "minikv/__pycache__/blocks.cpython-311.pyc.140211").write_bytes(b"half-written")
+    (tmp_path / "kernels/__init__.py").unlink()
+    assert integrity.changed(before) == ["kernels/__init__.py", "minikv/__pycache__/sizing.cpython-311.pyc",
+                                         "minikv/grading/checks/ex01_bytes.py"]
