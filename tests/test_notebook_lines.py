@@ -1,0 +1,28 @@
+"""Notebook code stays on screen: no code line in notebooks/ or solutions/ is cut off in JupyterLab.
+
+At a 1,400 px window with the file browser open, JupyterLab 4.6 shows about 120 characters of a
+code line (issue 19's browser run); longer lines run off the cell's right edge. A solution's
+`# hint:` line is exempt: the exercise generator reads a hint from that one comment line.
+Exercises are generated from solutions, so they follow.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_CODE_LINE = 120
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_code_lines_fit_the_notebook_width(path):
+    long = []
+    for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        for line in "".join(cell["source"]).splitlines():
+            if len(line) > MAX_CODE_LINE and not line.lstrip().startswith("# hint:"):
+                long.append(f"cell {i}: {len(line)} chars: {line.strip()[:60]}...")
+    assert not long, f"{path.name}: code lines over {MAX_CODE_LINE} characters:\n" + "\n".join(long)
