@@ -27,6 +27,26 @@ def test_strip_keeps_indent_and_hint():
         ns["f"](3)
 
 
+def test_a_long_hint_spans_hint_lines_and_its_stub_fits_the_screen():
+    hint = "first the bytes one token costs in ONE layer; then, layer by layer, how many tokens it keeps"
+    src = ("def f(x):\n"
+           "    ### BEGIN SOLUTION\n"
+           "    # hint: first the bytes one token costs in ONE layer;\n"
+           "    # hint: then, layer by layer, how many tokens it keeps\n"
+           "    # the solution's own comment is not part of the hint\n"
+           "    return 2 * x\n"
+           "    ### END SOLUTION\n")
+    out = strip_solutions(src)
+    assert "own comment" not in out and "return" not in out
+    assert max(len(line) for line in out.splitlines()) <= 100, out
+    assert len(out.splitlines()) > 2, out  # too long for one line: wrapped
+    ns = {}
+    exec(out, ns)
+    with pytest.raises(NotImplementedError) as raised:
+        ns["f"](3)
+    assert str(raised.value) == f"not implemented yet: {hint}"
+
+
 @pytest.mark.parametrize("bad", ["### BEGIN SOLUTION\nx = 1\n", "x = 1\n### END SOLUTION\n"])
 def test_unbalanced_markers_are_errors(bad):
     with pytest.raises(ValueError, match="without"):

@@ -37,6 +37,7 @@ import nbformat
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = 'raise NotImplementedError("not implemented yet: {hint}")'
+STUB_WIDTH = 100  # a generated stub stays on screen in JupyterLab beside the file browser (issue 19)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -461,8 +462,9 @@ def print_report(report: Report) -> None:
 def strip_solutions(source: str) -> str:
     """Replace each BEGIN/END SOLUTION region with a NotImplementedError stub at the same indent.
 
-    A comment line right after BEGIN SOLUTION whose text starts with "hint:" is not part of
-    the answer: it becomes the stub's message.
+    The comment lines right after BEGIN SOLUTION that start with "hint:" are not part of the
+    answer: joined, they become the stub's message (a long hint is written over several
+    `# hint:` lines, so that neither the solution nor the exercise has a line off the screen).
     """
     out, lines, i = [], source.splitlines(), 0
     while i < len(lines):
@@ -479,12 +481,29 @@ def strip_solutions(source: str) -> str:
             j += 1
         if j == len(lines):
             raise ValueError(f"{BEGIN} without {END}")
-        body = lines[i + 1:j]
-        hinted = re.match(r"\s*#\s*hint:\s*(.*)", body[0]) if body else None
-        hint = hinted.group(1) if hinted else "your code here"
-        out.append(indent + STUB.format(hint=hint.replace('"', "'")))
+        hints = []
+        for body_line in lines[i + 1:j]:
+            hinted = re.match(r"\s*#\s*hint:\s*(.*)", body_line)
+            if not hinted:
+                break
+            hints.append(hinted.group(1).strip())
+        out += stub(indent, " ".join(hints) or "your code here")
         i = j + 1
     return "\n".join(out)
+
+
+def stub(indent: str, hint: str) -> list[str]:
+    """`raise NotImplementedError("not implemented yet: <hint>")` at `indent`, on one line if it fits
+    in STUB_WIDTH characters, else as adjacent string literals, one per line (the same message)."""
+    hint = hint.replace("\\", "\\\\").replace('"', "'")
+    one_line = indent + STUB.format(hint=hint)
+    if len(one_line) <= STUB_WIDTH:
+        return [one_line]
+    inner = indent + "    "
+    pieces = textwrap.wrap(f"not implemented yet: {hint}", width=STUB_WIDTH - len(inner) - 3,
+                           break_long_words=False, break_on_hyphens=False, drop_whitespace=False)
+    return ([indent + "raise NotImplementedError("] + [f'{inner}"{piece}"' for piece in pieces]
+            + [indent + ")"])
 
 
 def make_exercise(solution_nb):
