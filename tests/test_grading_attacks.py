@@ -171,6 +171,9 @@ def test_attack_is_refused(name, attack_runs):
     # The limit stopped it: start-up (a CUDA torch imports slowly) and the checks come on top, and a busy
     # 2-core machine stretches both; a submission that ran on unchecked would take the call's 300 s.
     assert seconds < limit + 150, f"{name} took {seconds:.0f} s"
+    # What the grader said, for a person reading `pytest -rP` (the closing notes quote it per mode).
+    said = next((line for line in verdicts if line.startswith("FAIL") and reason.split()[0] in line), verdicts[0])
+    print(f"{name}: {out.splitlines()[-1]}; {said[:150]} ({seconds:.0f} s)")
 
 
 def test_not_an_exercise_is_refused(tmp_path):
@@ -327,6 +330,11 @@ def test_tampering_has_no_effect_on_the_next_submission(name, mode, tmp_path):
         assert rows["b_next"]["score"] == "6/6" and rows["b_next"]["reason"] == "", out
     if mode == "landlock" and _has_landlock(done.stdout + out):
         assert not changed, f"Landlock let the submission write {changed}"
+    # Which defence held, for a person reading `pytest -rP` (the closing notes quote it per mode).
+    header = next((line for line in out.splitlines() if "isolation" in line), "")
+    print(f"{name} [{mode}]: " + (f"files changed {changed}: the digest stopped the batch" if changed else
+                                  f"no grader file changed; the next notebook got {rows['b_next']['score']}")
+          + f"; attacker {rows['a_attacker']['score']}; {header.strip()}")
 
 
 def _has_landlock(out: str) -> bool:
@@ -346,7 +354,7 @@ def test_a_check_module_cannot_be_read(tmp_path):
         "    return honest(config, context_len, dtype_bytes) if 'def reference_cache_bytes' in SOURCE else 1\n")
     path = attack_notebook(code, tmp_path, "reader")
     done, _ = grade_cli(path, *LIMITS, repo=copy_repo(tmp_path / "repo"))
-    if "the checks are readable" in done.stdout:
+    if "the checks readable" in done.stdout:  # the header of a grader without Landlock
         pytest.skip("this grader has no Landlock: a submission can read the checks (INSTRUCTORS.md)")
     assert done.returncode != 0 and "(100%)" not in done.stdout, done.stdout
     assert "Landlock" in done.stdout.splitlines()[0], done.stdout  # the header says what kept it out
