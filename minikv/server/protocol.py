@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from minikv.blocks import blocks_for
 from minikv.sampling import SamplingParams
+from minikv.validation import InvalidArgument
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
                429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -120,9 +121,14 @@ class _Common(BaseModel):
             raise APIError(400, "echo is not served by minikv; leave echo out (the prompt is yours already)", "echo")
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=self.requested_max_tokens or default_max_tokens, stop=self.stop,
-                              seed=self.seed, ignore_eos=self.ignore_eos)
+        # The engine's own checks have the last word (a NaN temperature passes JSON parsing, not them):
+        # what they refuse is the client's input, so a 400 naming the field, never a 500.
+        try:
+            return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                  max_tokens=self.requested_max_tokens or default_max_tokens, stop=self.stop,
+                                  seed=self.seed, ignore_eos=self.ignore_eos)
+        except InvalidArgument as err:
+            raise APIError(400, str(err), err.param) from None
 
     @property
     def requested_max_tokens(self) -> int | None:
