@@ -14,7 +14,6 @@ import asyncio
 import os
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,9 +22,7 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 def start_vllm(model_dir: Path, wait: float):
     """vLLM's OpenAI server on a free loopback port; (process, url, log path) once /health answers."""
-    import httpx
-
-    from minikv.bench.serve import free_port
+    from minikv.bench.serve import free_port, wait_healthy
 
     if not VLLM_PYTHON.exists():
         raise RuntimeError(f"{VLLM_PYTHON} is missing: run `make vllm` first (vLLM's CPU build, ~2 min), "
@@ -41,29 +38,11 @@ def start_vllm(model_dir: Path, wait: float):
            "--served-model-name", "smollm2", "--dtype", "float32", "--max-model-len", "2048",
            "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + wait
+    proc.log = log   # stop_server reads it back
+    url = f"http://127.0.0.1:{port}"
     print(f"starting vLLM's server (about 2 minutes: it compiles at every start); log: {log.name}", flush=True)
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM's server exited with {proc.returncode}:\n{Path(log.name).read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url, log.name
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop(proc)
-    raise RuntimeError(f"vLLM's server did not answer /health within {wait:g} s (log: {log.name})")
-
-
-def stop(proc) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    wait_healthy(proc, url, wait, name="vLLM's server")
+    return proc, url, log.name
 
 
 def same_tokens(urls: dict, prompts: list[list[int]], max_tokens: int = 16) -> tuple[int, int]:
@@ -150,6 +129,6 @@ def run(args, rates) -> int:
             side_by_side(rate, reps)
         return 0 if failed == 0 else 1
     finally:
-        stop(vllm_proc)
-        if minikv_proc is not None:
-            stop_server(minikv_proc)
+        for proc in (vllm_proc, minikv_proc):
+            if proc is not None:
+                stop_server(proc)

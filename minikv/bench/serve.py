@@ -367,20 +367,22 @@ def launch_server(server_args: list[str]):
     return proc, f"http://127.0.0.1:{port}"
 
 
-def wait_healthy(proc, url: str, wait: float = 300) -> None:
+def wait_healthy(proc, url: str, wait: float = 300, name: str = "minikv serve") -> None:
+    """Poll `url`/health until it answers 200; if the server exits or `wait` s pass, stop it and raise
+    with the end of its log (`proc.log`, as `launch_server` sets it)."""
     import httpx
 
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"minikv serve exited with {proc.returncode}:\n{stop_server(proc)}")
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{stop_server(proc)[-3000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    raise RuntimeError(f"minikv serve did not answer /health within {wait:g} s:\n{stop_server(proc)}")
+    raise RuntimeError(f"{name} did not answer /health within {wait:g} s:\n{stop_server(proc)[-3000:]}")
 
 
 def stop_server(proc, timeout: float = 30) -> str:
