@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minikv.validation import check_bool, check_int, check_int_list, check_number, check_str_list
+from minikv.validation import InvalidArgument, check_bool, check_int, check_int_list, check_number, check_str_list
 
 __all__ = ["SamplingParams", "apply_top_k_top_p", "make_generator", "sample"]
 
@@ -65,6 +65,8 @@ class SamplingParams:
         self.stop_token_ids = check_int_list("stop_token_ids", self.stop_token_ids, 0, "token ids")
         check_bool("ignore_eos", self.ignore_eos)
         check_int("seed", self.seed, what="the request's own random seed", optional=True)
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise InvalidArgument("seed", self.seed, "an integer in [-2**63, 2**64) (the request's own random seed)")
 
     @property
     def greedy(self) -> bool:

@@ -114,6 +114,7 @@ SAMPLING_BAD = [  # (field, bad value, words of the message, also a TypeError?)
     ("ignore_eos", "no", "ignore_eos must be True or False", True),
     ("seed", "42", "seed must be an integer or None", True),
     ("seed", 1.0, "seed must be an integer or None", True),
+    ("seed", 2**64, r"seed must be an integer in \[-2\*\*63, 2\*\*64\)", False),
 ]
 
 

@@ -269,6 +269,7 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": [300]}, 400, "prompt"),               # outside the vocabulary
     ("completions", {"model": MODEL, "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
     ("completions", b'{"model": "tiny-random-llama", "prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("completions", {"model": MODEL, "prompt": "hi", "seed": 2**64}, 400, "seed"),    # past torch's generator
     ("completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
