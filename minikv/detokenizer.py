@@ -26,6 +26,17 @@ from minikv.sequence import Sequence
 
 # How many prompt tokens back the first window starts, so the first output token's leading space is right.
 PROMPT_CONTEXT_TOKENS = 5
+REPLACEMENT = "\ufffd"  # what decode gives for the bytes of a character that is not complete yet
+
+
+def text_delta(tokenizer, ids: list[int], prefix: int, read: int, final: bool) -> str | None:
+    """The text that ``ids[read:]`` add to the window ``ids[prefix:read]``; None while that text ends
+    in an incomplete character (or adds nothing), unless `final`: wait for the next token."""
+    before = tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
+    now = tokenizer.decode(ids[prefix:], skip_special_tokens=True)
+    if not final and (len(now) <= len(before) or now.endswith(REPLACEMENT)):
+        return None
+    return now[len(before):]
 
 
 class Detokenizer:
@@ -71,12 +82,11 @@ class Detokenizer:
     def _extend(self, seq: Sequence, final: bool) -> bool:
         """Append the text of tokens read_offset.. to seq.text; False (nothing done) while it ends
         in an incomplete character, unless `final`."""
-        decode, ids = self.tokenizer.decode, seq.token_ids
-        before = decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-        now = decode(ids[seq.prefix_offset:], skip_special_tokens=True)
-        if not final and (len(now) <= len(before) or now.endswith("\ufffd")):   # wait for more tokens
+        ids = seq.token_ids
+        delta = text_delta(self.tokenizer, ids, seq.prefix_offset, seq.read_offset, final)
+        if delta is None:   # wait for more tokens
             return False
-        seq.text += now[len(before):]
+        seq.text += delta
         if final:
             seq.read_offset = len(ids)
         else:

@@ -6,13 +6,14 @@ decodes differently without its left neighbour (the leading space). So, as vLLM 
 short window: the text of ``ids[prefix:]`` minus the text of ``ids[prefix:read]``; emit nothing
 while the window ends in an incomplete character; then slide the window forward.
 
-The streamed deltas and the non-streamed text come from this one object, so they concatenate to
-the same string by construction.
+The window arithmetic is the engine's own (`minikv.detokenizer.text_delta`, which cuts stop strings);
+here it follows the token ids a handler receives. The streamed deltas and the non-streamed text come
+from this one object, so they concatenate to the same string by construction.
 """
 
 from __future__ import annotations
 
-REPLACEMENT = "\ufffd"
+from minikv.detokenizer import PROMPT_CONTEXT_TOKENS, text_delta
 
 
 class IncrementalText:
@@ -20,7 +21,8 @@ class IncrementalText:
 
     def __init__(self, tokenizer, prompt_ids: list[int]):
         self.tok = tokenizer
-        self.ids = list(prompt_ids[-5:])        # a little left context: the first token's leading space
+        # a little left context: the first token's leading space
+        self.ids = list(prompt_ids[max(len(prompt_ids) - PROMPT_CONTEXT_TOKENS, 0):])
         self.prefix = 0
         self.read = len(self.ids)
         self.text = ""
@@ -28,11 +30,9 @@ class IncrementalText:
     def _delta(self, final: bool) -> str:
         if self.read == len(self.ids):
             return ""
-        before = self.tok.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        now = self.tok.decode(self.ids[self.prefix:], skip_special_tokens=True)
-        if not final and (len(now) <= len(before) or now.endswith(REPLACEMENT)):
+        delta = text_delta(self.tok, self.ids, self.prefix, self.read, final)
+        if delta is None:
             return ""                            # an incomplete character (or nothing new yet): wait
-        delta = now[len(before):]
         self.prefix, self.read = self.read, len(self.ids)
         self.text += delta
         return delta
