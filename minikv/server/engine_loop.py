@@ -155,10 +155,28 @@ class EngineLoop:
             self.error = err
             with self._lock:
                 self.accepting = False
-            for rid in list(self._live):
-                self._end(rid, "abort", error=f"the engine failed ({type(err).__name__}: {err}); the server log "
-                                              f"has the details")
+            self._fail_all(f"the engine failed ({type(err).__name__}: {err}); the server log has the details")
             raise
+
+    def _fail_all(self, why: str) -> None:
+        """The engine thread is dying: every request it knows of, live, held or still in the inbox, hears `why`."""
+        def failed() -> Update:
+            return Update(finished=True, error=why, error_status=500)
+
+        for rid, live in list(self._live.items()):
+            try:
+                self._end(rid, "abort", error=why)
+            except Exception:   # too broken even to abort: the client still gets its answer
+                live.post(failed())
+        while self.gate is not None and self.gate.held:
+            self._refuse_held(self.gate.held.popleft()[4], why, 500)
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] in ("add", "hold"):
+                (item if item[0] == "add" else item[1])[5].post(failed())
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply every queued add/abort; False once a drain asked the thread to stop."""
@@ -202,6 +220,10 @@ class EngineLoop:
                 self.num_queued -= 1
             live.post(Update(finished=True, error=str(err)))
             return
+        except Exception as err:   # a bug in the engine: this client hears it too, then the loop fails
+            live.post(Update(finished=True, error=f"the engine failed ({type(err).__name__}: {err}); the server "
+                                                  "log has the details", error_status=500))
+            raise
         self._live[request_id] = live
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(len(prompt["prompt_token_ids"]))
