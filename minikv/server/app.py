@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minikv.server.detok import IncrementalText
 from minikv.server.engine_loop import Delta, EngineLoop, ServerClosing, Update
 from minikv.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_fits, parse
-from minikv.server.responses import Choice, Envelope, sse, usage
+from minikv.server.responses import Choice, Envelope, extra, sse, usage
 
 log = logging.getLogger("minikv.server")
 
@@ -188,7 +188,6 @@ async def _stream(state, request_id, outbox, env: Envelope, choices, req, prompt
             finished = update.finished
             if update.error:
                 yield sse(APIError(update.error_status, update.error).body())
-                info = None
                 break
             _finish_missing(choices, update)
             chunks = []
@@ -200,11 +199,11 @@ async def _stream(state, request_id, outbox, env: Envelope, choices, req, prompt
             if finished:
                 info = update.info
                 if chunks and not req.include_usage:
-                    chunks[-1]["minikv"] = info or {}
+                    chunks[-1]["minikv"] = extra(info)
             for chunk in chunks:
                 yield sse(chunk)
         if req.include_usage and finished and info is not None:
-            yield sse(env.usage_chunk(usage(info, choices, prompt_len)) | {"minikv": info or {}})
+            yield sse(env.usage_chunk(usage(info, choices, prompt_len)) | {"minikv": extra(info)})
         yield sse("[DONE]")
     finally:
         if not finished:   # the client went away (or the server is stopping): free its blocks now
