@@ -157,9 +157,7 @@ def _build_group(steps: list[SeqStep], offsets: list[int], block_size: int, devi
     # Padding query rows get position 0: they may see key 0, so their softmax never divides by zero.
     q_pos = torch.where(valid, starts_t[:, None] + row[None, :], 0)
     s = len(steps)
-    if with_kernel_inputs:  # a decode kernel masks by each sequence's length itself: no bias to build
-        bias, q_tile = None, q_len
-    elif kv_heads * s * group_size * q_len * width * block_size <= SCORE_BUDGET:
+    if kv_heads * s * group_size * q_len * width * block_size <= SCORE_BUDGET:
         bias, q_tile = _bias(q_pos, width * block_size, kv_heads, group_size), q_len
     else:  # a long prefill: the bias, like the scores, is made per tile of queries in _attend
         bias = None
