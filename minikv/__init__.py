@@ -9,6 +9,12 @@ Stage by stage (each a module, each small enough to read in one sitting):
 5. ``prefix``      shared prefixes: a hash-chained prefix cache, fork, copy-on-write
 6. ``sequence``, ``scheduler``, ``runner``, ``sampling``, ``engine``   continuous batching:
    ``from minikv import LLM, SamplingParams``
+7. ``server/``     the landlord: the engine behind an OpenAI-compatible HTTP server
+   (``python -m minikv serve``) and a load generator (``python -m minikv bench serve``)
+
+Instruments and machinery live in subpackages: ``sim/`` (simulators), ``viz/`` (pictures),
+``bench/`` (benchmarks and the claims table), ``grading/`` (the exercises' grader), ``speed/``
+(the engine's CPU and GPU speed levers).
 """
 
 import os
