@@ -34,8 +34,11 @@ def test_bench_serve_json_has_every_field(tmp_path):
     tl = run["timeline"]
     assert len(tl["t"]) >= 2 and set(tl) >= {"kv_usage", "running", "waiting", "preemptions_total",
                                             "prefix_hits_total", "prefix_queries_total", "blocks_used"}
-    assert run["peak_kv_usage"] > 0.5, "24 blocks for 12 requests: the building should fill"
-    assert run["preemptions"] > 0 and run["preemptions"] == run["preemptions_server"]
+    # The peak is a polled gauge (every 50 ms), so it can miss the fullest step: it is only checked to be a
+    # share. That the building filled is shown by what cannot be missed: the engine had to preempt.
+    assert 0 < run["peak_kv_usage"] <= 1
+    assert run["preemptions"] > 0 and run["preemptions"] == run["preemptions_server"], \
+        "24 blocks for 12 requests: the building should fill and evict"
     assert run["cached_tokens"] >= 32 * 5, "the shared system prompt should be served from the cache"
     w = run["wobble"]
     assert w["requests_preempted"] > 0 and len(w["per_request"]) == 12
