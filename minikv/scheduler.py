@@ -16,7 +16,9 @@ sequence next to the single decode token of another. Each step, under a token bu
    headroom lets the running sequences grow into new blocks without an immediate preemption.
 
 Steps 3 and 4 happen only in a step that preempted nobody: memory is short, and a victim let
-back in at once would only be evicted again.
+back in at once would only be evicted again. Of vLLM's schedulers, V1 has this rule for both (it
+schedules no waiting request, new or preempted, in a step that preempted); V0's chunked-prefill
+scheduler held back only the swap-ins (step 3) after a preemption and admitted new prefills regardless.
 
 **Preemption.** When a running sequence needs a block and none is free, the most recently
 admitted running sequence that is not yet scheduled this step (and was admitted after the

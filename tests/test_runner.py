@@ -128,6 +128,39 @@ def test_prepacked_linears_are_swapped_in_only_while_executing():
     assert ModelRunner(model, 16, 16, prepack_linears=False).packed is None
 
 
+def test_a_batch_one_decode_takes_the_packed_path_with_the_plain_forward_logits(monkeypatch):
+    """Batch 1 runs on the same (packed) matmuls as larger batches, and its logits stay the model's own."""
+    model = tiny("qwen2")
+    rng = random.Random(5)
+    blocks = Blocks(num_blocks=16, block_size=16)
+    runner = ModelRunner(model, 16, 16)
+    tokens = random_tokens(rng, 20)
+    runner.execute([blocks.step(0, tokens[:19], wants_logits=False)])
+    eager = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: eager.append(1) or real_linear(*a, **k))
+    logits = runner.execute([blocks.step(0, tokens[19:])])   # one sequence, one token: one-row matmuls
+    monkeypatch.undo()
+    assert eager == []   # no linear fell back to eager F.linear
+    torch.testing.assert_close(logits[0], plain_last_logits(model, tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_runners_of_one_model_share_its_packed_weights_until_a_weight_changes():
+    from minikv.speed.linears import _packed
+
+    model = tiny("llama")
+    ModelRunner(model, 16, 16)
+    before = _packed(model.lm_head)
+    ModelRunner(model, 16, 16)
+    assert _packed(model.lm_head) is before   # the second runner packed nothing again
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)   # an in-place change: the next runner must pack the new values
+    step = SeqStep(0, [1, 5, 9], 0, [0], [0, 1, 2], True)
+    logits = ModelRunner(model, 16, 16).execute([step])[0]
+    assert _packed(model.lm_head) is not before
+    torch.testing.assert_close(logits, plain_last_logits(model, [1, 5, 9]), atol=1e-5, rtol=1e-5)
+
+
 def greedy_loop(runner: ModelRunner, prompts: list[list[int]], max_new: list[int], chunk: int = 10**9,
                 block_size: int = 16, execute=None, blocks: Blocks | None = None) -> list[list[int]]:
     """The engine's shape in miniature: chunked prefill, then one decode token per sequence per step."""

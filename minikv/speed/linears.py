@@ -7,11 +7,29 @@ brgemm kernels instead; `python -m minikv bench linear` measures the difference 
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
 
 __all__ = ["PackedLinears"]
+
+# One packed copy per linear module, shared by every runner of its model (a notebook or a test suite
+# builds many engines on one model: each would otherwise hold its own ~0.5 GB for SmolLM2). An entry
+# is reused only while the weight is the same tensor, unmodified (same storage, same version counter).
+_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _packed(module: torch.nn.Linear) -> torch.Tensor:
+    weight = module.weight
+    with torch.no_grad():
+        if weight.is_inference():  # no version counter to tell an in-place change: pack afresh, keep nothing
+            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        stamp = (weight.data_ptr(), weight._version)
+        entry = _PACKED.get(module)
+        if entry is None or entry[0] != stamp:
+            entry = _PACKED[module] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+    return entry[1]
 
 
 class PackedLinears:
@@ -20,19 +38,22 @@ class PackedLinears:
     The weights are reordered once (``torch.ops.mkldnn._reorder_linear_weight``); each call is then
     ``torch.ops.mkldnn._linear_pointwise``. Same fp32 arithmetic as ``F.linear``, another summation
     order (differences of a few 1e-6 on outputs of order 1). The model's own parameters are untouched;
-    the packed copies cost as much memory again as the linear weights (a tied ``lm_head`` included).
-    Below ``min_rows`` token rows eager ``F.linear`` is as fast for the small weights (one GEMV), so
-    they keep it; see `python -m minikv bench linear`.
+    the packed copies cost as much memory again as the linear weights (a tied ``lm_head`` included), once
+    per model: every ``PackedLinears`` of one model shares them while its weights are unchanged.
+
+    Every row count takes the packed path, one row included (``min_rows=1``). In isolation a one-row
+    matmul on a small weight is about as fast eagerly (`python -m minikv bench linear`, a weight hot in
+    cache), but a whole batch-1 decode step, whose weights stream from memory, measured faster packed;
+    and with one path, batch 1 is not a different code path from batch 2 in a throughput curve.
+    ``min_rows=2`` sends one-row calls of the small weights to eager ``F.linear`` instead.
     """
 
-    def __init__(self, model: torch.nn.Module, min_rows: int = 2):
+    def __init__(self, model: torch.nn.Module, min_rows: int = 1):
         self.forwards: dict[torch.nn.Module, object] = {}
-        with torch.no_grad():
-            for module in model.modules():
-                if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32:
-                    packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
-                    small = module.weight.shape[0] * module.weight.shape[1] < 10**7  # not the lm_head
-                    self.forwards[module] = self._forward(module, packed, min_rows if small else 1)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32:
+                small = module.weight.shape[0] * module.weight.shape[1] < 10**7  # not the lm_head
+                self.forwards[module] = self._forward(module, _packed(module), min_rows if small else 1)
 
     @staticmethod
     def _forward(module, packed, min_rows):
