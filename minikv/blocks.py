@@ -48,11 +48,11 @@ class OutOfBlocks(RuntimeError):
 class BlockAllocator:
     """A free list of ``num_blocks`` block ids with a reference count per block.
 
-    The free list is FIFO: ``allocate`` takes from the front, ``free`` appends to the back.
-    So the block freed longest ago is reused first, and a just-freed block keeps its contents
-    for as long as possible. Stage 5's prefix cache leaves cached K/V in freed blocks, hoping
-    for a later hit; with a FIFO free list, "reuse the oldest free block" *is* LRU eviction,
-    for free. (nano-vllm and vLLM order their free lists the same way.)
+    The free list is FIFO: ``allocate`` takes from the front, ``free`` appends to the back, so the
+    block freed longest ago is reused first (nano-vllm and vLLM order their free lists the same way).
+    Eviction is not decided here: stage 5's prefix cache keeps its freed full blocks *off* this list
+    (``free(..., keep=True)``) in its own least-recently-used order, takes never-cached blocks from
+    this list first, and evicts the least recently used cached block only when the list is empty.
     """
 
     def __init__(self, num_blocks: int):

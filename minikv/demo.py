@@ -98,7 +98,9 @@ def serve(model_name: str = "smollm2-135m", max_tokens: int = 48, num_prompts: i
 
     from minikv.metrics import summarize
 
-    summary = summarize(outs, engine.step_stats, engine.bm.stats)
+    snap = engine.stats(history=None)   # the engine's read-only view: every step it kept, its prefix counters
+    summary = summarize(outs, snap.steps)
+    summary["prefix_hit_rate"] = snap.prefix_hit_rate
     runner = engine.runner
     pool_bytes = sum(p.nbytes for p in (*runner.k_pools, *runner.v_pools))
     slots = engine.num_blocks * engine.block_size
@@ -106,7 +108,6 @@ def serve(model_name: str = "smollm2-135m", max_tokens: int = 48, num_prompts: i
     prompt = [len(o.prompt_token_ids) for o in outs]
     output = [len(o.outputs[0].token_ids) for o in outs]
     held = [p + n - 1 for p, n in zip(prompt, output)]   # the last sampled token is never fed back
-    stats = engine.bm.stats
     return DemoReport(
         model=model_name, dtype=model.dtype, shape=shape, num_params=model.num_parameters(), questions=questions,
         answers=[o.outputs[0].text.strip() for o in outs],
@@ -115,10 +116,10 @@ def serve(model_name: str = "smollm2-135m", max_tokens: int = 48, num_prompts: i
         formula_bytes=[kv_cache_bytes(shape, t, model.dtype) for t in held],
         pool_bytes=pool_bytes, pool_formula_bytes=kv_cache_bytes(shape, slots, model.dtype),
         num_blocks=engine.num_blocks, block_size=engine.block_size,
-        peak_blocks_used=max(s.blocks_used for s in engine.step_stats),
-        blocks_cached_at_end=engine.bm.num_cached_blocks,
+        peak_blocks_used=max(s.blocks_used for s in snap.steps),
+        blocks_cached_at_end=snap.blocks_cached,   # every request is done: each cached block is free (evictable)
         blocks_without_sharing=sum(blocks_for(t, engine.block_size) for t in held),
-        prefix_tokens_hit=stats.tokens_hit, prefix_tokens_queried=stats.tokens_queried,
+        prefix_tokens_hit=snap.prefix_tokens_hit, prefix_tokens_queried=snap.prefix_tokens_queried,
         cached_prompt_tokens=[o.metrics.cached_prompt_tokens for o in outs],
         preemptions=sum(o.metrics.preemptions for o in outs), seconds=summary["seconds"],
         ttft=[o.metrics.ttft for o in outs], summary=summary)

@@ -1,18 +1,35 @@
-"""Which paged attention runs: the PyTorch reference of stage 3 or the Triton kernel of stage 4.
+"""Which paged attention runs: the one place that chooses, for the notebooks and for the engine.
 
-This is the one place that chooses. ``minikv.attention`` (the reference and the calling convention)
-imports no kernel, ``kernels/paged_attention.py`` imports only the convention's check from it, and
-everything that wants "the right attention for these tensors" asks here: notebooks through
-``decode_attention``, the engine's runner through ``kernel_wanted``. So the import graph has no circle.
+Three backends read K/V from a block pool, under one name each (an ``AttentionBackend``):
+
+* ``"triton"``: the Triton kernel of stage 4 (``kernels/paged_attention.py``), on CUDA; forced on
+  the CPU it runs under Triton's interpreter (exact but slow: to check it, never to time it);
+* ``"cpu"``: the C++ kernel of ``kernels/paged_attention_cpu.cpp`` (CPU, float32), built on first use;
+* ``"gather"``: PyTorch, gathering each sequence's blocks and attending with batched matmuls (the
+  runner's vectorized path; in the notebooks, stage 3's reference ``paged_attention_ref``).
+
+`choose_backend` makes the choice from the device, the dtype and the two switches (``use_kernel``
+for Triton, ``cpu_kernel`` for the C++ one); the runner asks once, at start, and `kernel_decode` runs
+a kernel backend on the runner's step layout. Notebooks ask through `decode_attention`. The step
+layout every backend reads (`SeqStep` in, `StepPlan` and its `AttnGroup`s) is defined here too, so
+the runner and its speed levers (``minikv.speed``) share it without importing each other.
+
+``minikv.attention`` (the reference and the calling convention) imports no kernel, and
+``kernels/paged_attention.py`` imports only the convention's check from it: no import circle.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from minikv.attention import paged_attention_ref
+
+AttentionBackend = Literal["triton", "cpu", "gather"]
+TRITON, CPU_KERNEL, GATHER = "triton", "cpu", "gather"
 
 
 def triton_installed() -> bool:
@@ -34,6 +51,36 @@ def kernel_wanted(device: torch.device | str, use_kernel: bool | None = None) ->
     return bool(use_kernel)
 
 
+def cpu_kernel_wanted(device: torch.device | str, dtype: torch.dtype, cpu_kernel: bool | None = None) -> bool:
+    """Whether decode attention goes through the C++ kernel. ``None``: on the CPU in float32 when it
+    builds; ``True`` insists (and says why it cannot); ``False`` never."""
+    if cpu_kernel is False:
+        return False
+    possible = torch.device(device).type == "cpu" and dtype == torch.float32
+    if cpu_kernel and not possible:
+        raise ValueError(f"cpu_kernel=True needs a float32 model on the CPU; this one is {dtype} on "
+                         f"{torch.device(device).type} (pass cpu_kernel=None to use it only where it applies)")
+    if not possible:
+        return False
+    from kernels import paged_attention_cpu
+
+    if paged_attention_cpu.load() is None:
+        if cpu_kernel:
+            raise RuntimeError(f"cpu_kernel=True but the CPU attention kernel could not be built: "
+                               f"{paged_attention_cpu.why_not}")
+        return False
+    return True
+
+
+def choose_backend(device: torch.device | str, dtype: torch.dtype, use_kernel: bool | None = None,
+                   cpu_kernel: bool | None = None) -> AttentionBackend:
+    """The decode attention for tensors on ``device`` in ``dtype``: Triton if `kernel_wanted`, else the
+    C++ kernel if `cpu_kernel_wanted`, else the gather path. Triton wins when both are asked for."""
+    if kernel_wanted(device, use_kernel):
+        return TRITON
+    return CPU_KERNEL if cpu_kernel_wanted(device, dtype, cpu_kernel) else GATHER
+
+
 def decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -45,11 +92,80 @@ def decode_attention(
     use_kernel: bool | None = None,
 ) -> torch.Tensor:
     """Paged attention for one decode step (the calling convention of ``minikv.attention``), by the
-    fastest correct route available: see ``kernel_wanted`` for ``use_kernel``."""
-    if not kernel_wanted(query.device, use_kernel):
+    fastest correct route available: see ``kernel_wanted`` for ``use_kernel``. (The C++ kernel is the
+    engine's; here the alternative to Triton is the reference, exact to the last bit.)"""
+    if choose_backend(query.device, query.dtype, use_kernel, cpu_kernel=False) == GATHER:
         return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale)
     # Imported here, not at the top: importing the kernel module imports Triton and, without a
     # GPU, switches it to interpreter mode; code that only wants the reference should not pay that.
     from kernels.paged_attention import paged_attention
 
     return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+
+
+# -- the engine's step layout, read by every backend --------------------------------------------------
+@dataclass
+class SeqStep:
+    """One sequence's share of one step."""
+
+    seq_id: int
+    token_ids: list[int]  # tokens computed this step: a prefill chunk, or the one newest token
+    start_pos: int  # position of token_ids[0] = tokens of this sequence already in the KV cache
+    block_table: list[int]  # physical blocks covering positions 0 .. start_pos + len(token_ids) - 1
+    slots: list[int]  # the physical slot of each token in token_ids (block * block_size + offset)
+    wants_logits: bool  # sample after this step: a decode, or a prefill's last chunk
+
+
+@dataclass
+class AttnGroup:
+    """Sequences whose queries are attended together, padded to the group's longest query and block run.
+
+    q_index [S*Q] token index (into the flattened step) of each padded query row; padding repeats a real one
+    q_valid: index of the real rows among the S*Q padded query rows (None: all are real)
+    out_index: token index of each real query row, in q_valid order
+    block_tables [S, W]: each sequence's blocks (padding repeats a real block; its keys are masked)
+    bias [KVH*S, G*Q, W*block_size]: 0 where a query may attend a key, -inf elsewhere (causal + sequence end);
+        None for a long prefill, whose bias is made per tile of q_tile queries from q_pos [S, Q]
+    seq_lens [S] int32: the kernel's input (decode groups of a kernel backend only)
+    """
+
+    q_index: torch.Tensor
+    q_valid: torch.Tensor | None
+    out_index: torch.Tensor
+    block_tables: torch.Tensor
+    bias: torch.Tensor | None
+    q_len: int
+    q_pos: torch.Tensor  # [S, Q] each query row's position in its sequence (padding rows: 0)
+    q_tile: int  # query rows per tile: all of them unless the scores would exceed SCORE_BUDGET
+    seq_lens: torch.Tensor | None = None
+    identity: bool = False  # one token per sequence, the whole step in order: no gather/scatter of queries
+    backend: AttentionBackend = GATHER  # who attends it: a kernel group says which kernel
+
+
+@dataclass
+class StepPlan:
+    """The step's layout, built once and read by every layer's attention call."""
+
+    k_stores: list[torch.Tensor]  # per layer [kv_heads, num_blocks, block_size, head_dim]
+    v_stores: list[torch.Tensor]
+    slots: torch.Tensor  # [T] int64
+    groups: list[AttnGroup]  # gathered by PyTorch
+    kernel_groups: list[AttnGroup]  # decode groups that go through a kernel (group.backend says which)
+    num_tokens: int
+
+
+def kernel_decode(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, group: AttnGroup,
+                  scaling: float) -> torch.Tensor:
+    """A kernel group's decode tokens, by its backend's kernel reading K/V where it lies in the
+    head-major store [KVH, blocks, block_size, D]. q [S, H, D] -> [S, H, D]."""
+    if group.backend == CPU_KERNEL:
+        from kernels.paged_attention_cpu import paged_decode
+
+        return paged_decode(q, k_store, v_store, group.block_tables, group.seq_lens, scaling)
+    from kernels.paged_attention import paged_attention as kernel
+
+    # The kernel's layout, [blocks, block_size, KVH, D], as a view of the head-major store (it
+    # reads through strides). Inputs were checked when the step was planned; re-checking in every
+    # layer would read seq_lens back from the GPU thirty times a step.
+    return kernel(q.contiguous(), k_store.permute(1, 2, 0, 3), v_store.permute(1, 2, 0, 3),
+                  group.block_tables, group.seq_lens, scaling, check_inputs=False)

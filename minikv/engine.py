@@ -2,12 +2,16 @@
 
 One `LLMEngine.step()` is one iteration of continuous batching, three short methods:
 
-    schedule     the scheduler decides who computes which tokens, into which slots
-    execute      copy-on-write block copies, then one forward of the model over every scheduled token
+    schedule     the scheduler decides who computes which tokens, into which slots, and which blocks
+                 are copied or swapped (plain data: a `SchedulerOutput`)
+    execute      the engine applies those block operations through the runner, in the order decided,
+                 then one forward of the model over every scheduled token
     postprocess  sample, append, stop checks (stop strings through the `Detokenizer`), retire finished
 
 and returns the `RequestOutput`s that changed. `LLM.generate` is that loop with a progress bar.
-Data flows one way: request -> scheduler -> block manager -> model runner -> attention.
+Data flows one way: request -> scheduler -> block manager, and the scheduler's output -> engine ->
+model runner -> attention -> kernel. The scheduler never sees the runner; nothing outside the engine
+reads its queues or pool except through `LLMEngine.stats()`, a frozen snapshot.
 
 The KV pool is sized once, at start (`kv_pool_blocks`), and printed: a serving engine
 reserves its cache up front and then lives within it; admission and preemption are how.
@@ -26,12 +30,21 @@ import torch
 
 from minikv.blocks import blocks_for
 from minikv.detokenizer import Detokenizer
-from minikv.metrics import RequestMetrics, StepStats, summarize
-from minikv.prefix import BlockManager
+from minikv.metrics import (
+    SPAN_SAMPLE,
+    SPAN_STEP,
+    STEP_HISTORY,
+    EngineStats,
+    RequestMetrics,
+    StepStats,
+    span,
+    summarize,
+)
+from minikv.prefix import BlockManager, SwapSpace
 from minikv.runner import ModelRunner, Runner, SeqStep
 from minikv.sampling import SamplingParams, make_generator, sample
-from minikv.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from minikv.sequence import Request, SeqStatus, Sequence
+from minikv.scheduler import BlockOp, CopyBlocks, Scheduler, SchedulerConfig, SchedulerOutput, SwapOut
+from minikv.sequence import Request, Sequence
 from minikv.sizing import fmt_bytes, kv_bytes_per_block
 from minikv.validation import (
     InvalidArgument,
@@ -159,6 +172,8 @@ class LLMEngine:
     (False) its torch.compile of decode steps (see ModelRunner). ``decode_graphs`` (False) runs decode
     steps through CUDA graphs captured at start, one per batch size (``minikv.speed.graphs``), with one
     extra pool block as their scratch; on the CPU the same plan runs eagerly (a test of it, not a speed-up).
+    ``scheduler_cls`` (minikv's `Scheduler`) is built with ``(SchedulerConfig, BlockManager, SwapSpace)``:
+    a subclass changes the policy through its public hooks (exercise 06 plugs a learner's policy in so).
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
@@ -167,7 +182,8 @@ class LLMEngine:
                  long_prefill_token_threshold: int | None = None,
                  preemption_mode: str = "recompute", swap_space=None, watermark: float = 0.01,
                  runner=None, verbose: bool = True, prepack_linears: bool | None = None,
-                 cpu_kernel: bool | None = None, compile: bool = False, decode_graphs: bool = False):
+                 cpu_kernel: bool | None = None, compile: bool = False, decode_graphs: bool = False,
+                 scheduler_cls: type[Scheduler] = Scheduler):
         check_model(model)
         check_tokenizer(tokenizer)
         check_block_size(block_size)
@@ -191,6 +207,9 @@ class LLMEngine:
         if decode_graphs and runner is not None:
             raise InvalidArgument("decode_graphs", decode_graphs, message=(
                 "decode_graphs=True captures minikv's own ModelRunner; it cannot be combined with runner="))
+        if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
+            raise InvalidArgumentType("scheduler_cls", scheduler_cls, "a subclass of minikv.scheduler.Scheduler "
+                                      "(override can_admit / choose_victim to change the policy)")
         for name, lever in (("prepack_linears", prepack_linears), ("cpu_kernel", cpu_kernel)):
             if lever is not None:
                 check_bool(name, lever)
@@ -218,26 +237,21 @@ class LLMEngine:
                   f"= {self.num_blocks * block_size} tokens, {fmt_bytes(self.num_blocks * self.bytes_per_block)}")
 
         self.bm = BlockManager(self.num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-        # With decode graphs the runner's pool has one block more than the block manager's: the scratch
-        # block that padding rows write to and read from, which no sequence is ever given.
+        self.swap = SwapSpace(swap_blocks)   # where swapped-out K/V waits, beside the pool
         self.runner = runner if runner is not None else ModelRunner(
-            model, self.num_blocks + (1 if decode_graphs else 0), block_size, prepack_linears=prepack_linears,
-            cpu_kernel=cpu_kernel, compile=compile)
-        if decode_graphs:
-            from minikv.speed.graphs import DecodeGraphs
-
-            self.runner.graphs = DecodeGraphs(self.runner, max_num_seqs, blocks_for(self.max_model_len, block_size),
-                                              scratch_block=self.num_blocks)
+            model, self.num_blocks, block_size, prepack_linears=prepack_linears, cpu_kernel=cpu_kernel,
+            compile=compile, decode_graphs=decode_graphs, max_num_seqs=max_num_seqs)
         self.detokenizer = Detokenizer(tokenizer)
         self.device = next(model.parameters()).device
-        self.scheduler = Scheduler(SchedulerConfig(
+        self.scheduler = scheduler_cls(SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
             watermark_blocks=max(1, int(watermark * self.num_blocks)) if watermark > 0 else 0,
             swap_blocks=swap_blocks, long_prefill_token_threshold=long_prefill_token_threshold),
-            self.bm, self.runner)
+            self.bm, self.swap)
         self.requests: dict[str, Request] = {}
-        self.step_stats: list[StepStats] = []
+        self.step_stats: list[StepStats] = []   # the bounded step history (see _record); read it through stats()
+        self._num_steps = 0
         self._aborted: list[RequestOutput] = []
 
     # -- requests ------------------------------------------------------------------------------
@@ -327,22 +341,43 @@ class LLMEngine:
     def summary(self, outputs) -> dict:
         """The landlord's numbers for a run: tokens/s, TTFT, TPOT, preemptions, prefix hit rate, blocks."""
         out = summarize(outputs, self.step_stats, self.bm.stats)
+        now = self.stats(history=0)
         out.update(num_blocks=self.num_blocks, block_size=self.block_size,
                    pool_bytes=self.num_blocks * self.bytes_per_block,
-                   blocks_cached=len(self.bm.cache.evictable), blocks_free=self.bm.num_free_blocks)
+                   blocks_cached=now.blocks_cached, blocks_free=now.blocks_free)
         return out
+
+    def stats(self, history: int | None = 64) -> EngineStats:
+        """A read-only snapshot of the engine now, with its last `history` steps (None: every step kept).
+
+        The one way to look at a live engine from outside it (server gauges, admission, demo, pictures)."""
+        check_int("history", history, 0, "steps to include", optional=True)
+        sched, bm = self.scheduler, self.bm
+        kept = self.step_stats
+        steps = kept if history is None else kept[max(0, len(kept) - history):]
+        reserved = sum(blocks_for(min(len(r.prompt_token_ids) + r.params.max_tokens - 1, self.max_model_len),
+                                  self.block_size) * r.params.n for r in self.requests.values())
+        free = bm.num_free_blocks
+        return EngineStats(
+            running=len(sched.running), waiting=len(sched.waiting), swapped=len(sched.swapped),
+            num_blocks=self.num_blocks, block_size=self.block_size, blocks_used=self.num_blocks - free,
+            blocks_cached=bm.num_evictable_blocks, blocks_free=free, reserved_blocks=reserved,
+            max_num_seqs=sched.config.max_num_seqs, preemptions=sched.num_preemptions,
+            prefix_tokens_queried=bm.stats.tokens_queried, prefix_tokens_hit=bm.stats.tokens_hit,
+            prefix_evictions=bm.stats.evictions, steps=tuple(steps))
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> execute -> postprocess. Returns the outputs that changed
         (a new token, a finish, an abort)."""
-        t0 = time.perf_counter()
-        changed, self._aborted = self._aborted, []
-        batch = self._schedule()
-        if batch.scheduled:
-            logits = self._execute(batch)
-            changed += self._postprocess(batch, logits, t0)
-        return changed
+        with span(SPAN_STEP):
+            t0 = time.perf_counter()
+            changed, self._aborted = self._aborted, []
+            batch = self._schedule()
+            if batch.scheduled:
+                logits = self._execute(batch)
+                changed += self._postprocess(batch, logits, t0)
+            return changed
 
     def _schedule(self) -> SchedulerOutput:
         """Who computes which tokens this step, into which slots (blocks are allocated here)."""
@@ -353,10 +388,20 @@ class LLMEngine:
                                f"free blocks {self.bm.num_free_blocks}): this is a bug in minikv")
         return batch
 
+    def _apply(self, ops: list[BlockOp]) -> None:
+        """The step's block operations through the runner, in the order the scheduler decided them."""
+        runner, swap = self.runner, self.swap
+        for op in ops:
+            if isinstance(op, CopyBlocks):
+                runner.copy_blocks(op.pairs)
+            elif isinstance(op, SwapOut):
+                swap.put(op.seq_id, runner.swap_out(op.blocks))
+            else:
+                runner.swap_in(swap.take(op.seq_id), op.blocks)
+
     def _execute(self, batch: SchedulerOutput) -> torch.Tensor:
-        """Copy-on-write copies, then one forward over every scheduled token: logits of the samplers."""
-        if batch.copies:
-            self.runner.copy_blocks(batch.copies)
+        """Block copies and swaps, then one forward over every scheduled token: logits of the samplers."""
+        self._apply(batch.block_ops)
         steps = [SeqStep(s.seq.seq_id, s.seq.token_ids[s.start:s.start + s.num_tokens], s.start,
                          self.bm.block_table(s.seq.seq_id), s.slots, s.wants_logits) for s in batch.scheduled]
         return self.runner.execute(steps)
@@ -391,16 +436,21 @@ class LLMEngine:
             return [], []
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
-        return seqs, sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
+        with span(SPAN_SAMPLE):
+            return seqs, sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
 
     def _record(self, batch: SchedulerOutput, t0: float, now: float) -> None:
+        """One row of the step history; the oldest rows go once it holds STEP_HISTORY (a server runs for days)."""
         sched, bm = self.scheduler, self.bm
+        if len(self.step_stats) >= STEP_HISTORY:
+            del self.step_stats[:STEP_HISTORY // 2]   # in halves: a delete per step would move the whole list
         self.step_stats.append(StepStats(
-            step=len(self.step_stats), time=now, duration=now - t0, num_running=len(sched.running),
+            step=self._num_steps, time=now, duration=now - t0, num_running=len(sched.running),
             num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
-            blocks_used=self.num_blocks - bm.num_free_blocks, blocks_cached=len(bm.cache.evictable),
+            blocks_used=self.num_blocks - bm.num_free_blocks, blocks_cached=bm.num_evictable_blocks,
             blocks_free=bm.num_free_blocks, prefill_tokens=batch.prefill_tokens, decode_tokens=batch.decode_tokens,
             preemptions=len(batch.preempted)))
+        self._num_steps += 1
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """After its prompt: the request's other n-1 samples share every block of `seq` (copy-on-write)."""
@@ -408,12 +458,11 @@ class LLMEngine:
         req.forked = True
         family = [seq]
         for i in range(1, req.params.n):
-            child = Sequence(req, i, list(seq.token_ids), status=SeqStatus.RUNNING, num_computed=seq.num_computed,
+            child = Sequence(req, i, list(seq.token_ids),
                              generator=make_generator(None if req.params.seed is None else req.params.seed + i,
                                                       self.device))
             self.detokenizer.start(child)
-            self.bm.fork(seq.seq_id, child.seq_id)
-            self.scheduler.running.append(child)
+            self.scheduler.fork(seq, child)
             req.seqs.append(child)
             family.append(child)
         return family
@@ -501,9 +550,8 @@ class LLM:
             if bar is not None:
                 bar.close()
         finally:   # an error or ^C mid-run: nothing stays queued, every block goes back
-            for rid in ids:
+            for rid in ids:   # (their outputs come back from the next step, where no caller waits for them)
                 eng.abort_request(rid)
-            eng._aborted.clear()
         return [results[rid] for rid in ids]
 
     def chat(self, conversations, sampling_params=None, use_tqdm: bool = True, **template_kwargs):

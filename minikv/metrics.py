@@ -12,13 +12,23 @@ how many prompt tokens the prefix cache served. From those:
 
 Per step, `StepStats` is one row of the occupancy timeline: how many sequences ran, waited or
 sat swapped out, how many blocks were used / cached-evictable / free, how many tokens were
-scheduled (prefill vs decode), how many preemptions happened.
+scheduled (prefill vs decode), how many preemptions happened. The engine keeps a bounded history
+of them (`STEP_HISTORY`): a server runs for days.
+
+`EngineStats` is the one read-only view of a live engine (``LLMEngine.stats()``): its queues, its
+pool, its prefix-cache counters and its last steps, copied at one moment. The server's gauges and
+admission policies, the demo and the pictures read that, never the scheduler's queues or the
+block manager's cache.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass
@@ -52,7 +62,32 @@ class RequestMetrics:
         return max(gaps) if gaps else None
 
 
-@dataclass
+# The named parts of an engine step, as torch.profiler spans (``bench engine --profile`` reads them by name).
+SPAN_STEP, SPAN_EXECUTE, SPAN_PLAN, SPAN_ATTENTION, SPAN_SAMPLE = (
+    "minikv.step", "minikv.execute", "minikv.plan", "minikv.attention", "minikv.sample")
+
+
+def span(name: str):
+    """A ``torch.profiler.record_function`` span while a profiler records, else nothing: the hot path
+    (thirty attention calls a step) pays one attribute read when nobody is looking."""
+    return torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled else nullcontext()
+
+
+def spanned(name: str):
+    """Decorate a function so that each call is one `span` of that name."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with span(name):
+                return fn(*args, **kwargs)
+        return inner
+    return decorate
+
+
+STEP_HISTORY = 1 << 16   # the most StepStats an engine keeps (a few MiB); older ones are dropped
+
+
+@dataclass(frozen=True)
 class StepStats:
     step: int
     time: float              # perf_counter at the end of the step
@@ -70,6 +105,34 @@ class StepStats:
     @property
     def tokens_scheduled(self) -> int:
         return self.prefill_tokens + self.decode_tokens
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of an engine (``LLMEngine.stats()``): plain numbers, taken between steps."""
+    running: int                 # sequences in the batch
+    waiting: int                 # sequences waiting to be admitted (recompute-preempted ones included)
+    swapped: int                 # sequences swapped out to the CPU
+    num_blocks: int              # the pool
+    block_size: int
+    blocks_used: int             # held by some sequence
+    blocks_cached: int           # free but still holding a cached prefix (evictable)
+    blocks_free: int             # an allocation could take them now (never-used + cached-evictable)
+    reserved_blocks: int         # what the unfinished requests may hold at most (prompt + max_tokens, x n)
+    max_num_seqs: int
+    preemptions: int             # so far
+    prefix_tokens_queried: int   # prompt tokens looked up in the prefix cache, so far
+    prefix_tokens_hit: int       # of them, served from cached blocks
+    prefix_evictions: int        # cached blocks thrown away to make room, so far
+    steps: tuple[StepStats, ...] = ()   # the last steps, oldest first
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_tokens_hit / self.prefix_tokens_queried if self.prefix_tokens_queried else 0.0
+
+    @property
+    def last_step(self) -> StepStats | None:
+        return self.steps[-1] if self.steps else None
 
 
 def summarize(outputs, steps: list[StepStats] | None = None, prefix_stats=None) -> dict:

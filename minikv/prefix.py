@@ -241,6 +241,19 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return len(self.cache.key_of)
 
+    @property
+    def evictable_blocks(self) -> list[int]:
+        """Free blocks that still hold a cached prefix, least recently used first (evicted in that order)."""
+        return list(self.cache.evictable)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self.cache.evictable)
+
+    def cached_block(self, block_hash: int) -> int | None:
+        """The block that holds the cached full block of this hash, if any (for pictures of the cache)."""
+        return self.cache.by_hash.get(block_hash)
+
     def block_table(self, seq_id) -> list[int]:
         return self._table(seq_id).blocks
 
@@ -369,3 +382,46 @@ class BlockManager:
         self.cache.clear()
         for table in self.tables.values():
             table.keys, table.chain_broken = [], True
+
+
+class SwapSpace:
+    """The CPU pool that swapped-out sequences wait in, beside the block manager: capacity in blocks.
+
+    The scheduler decides who goes there (`reserve`) and who comes back; the engine moves the K/V,
+    in the order the scheduler decided it: it stores what ``runner.swap_out`` returned with `put`, and
+    `take`s it back (which frees the room) for ``runner.swap_in``. An aborted swapped sequence's room
+    is `release`d. So the scheduler counts blocks and never touches a tensor."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 0:
+            raise ValueError(f"a swap space of {num_blocks} blocks: give 0 (no swapping) or more")
+        self.num_blocks = num_blocks
+        self.held: dict[int, int] = {}       # seq_id -> blocks reserved for it
+        self.data: dict[int, object] = {}    # seq_id -> its K/V, as the runner's swap_out returned it
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(self.held.values())
+
+    def reserve(self, seq_id: int, num_blocks: int) -> bool:
+        """Room for `num_blocks` of `seq_id`'s blocks? Then they are its until `release`."""
+        if self.num_used_blocks + num_blocks > self.num_blocks:
+            return False
+        self.held[seq_id] = num_blocks
+        return True
+
+    def num_held(self, seq_id: int) -> int:
+        return self.held[seq_id]
+
+    def release(self, seq_id: int) -> None:
+        """Give `seq_id`'s room back and forget its data (it was aborted while swapped out)."""
+        self.held.pop(seq_id, None)
+        self.data.pop(seq_id, None)
+
+    def put(self, seq_id: int, data: object) -> None:
+        self.data[seq_id] = data
+
+    def take(self, seq_id: int) -> object:
+        """`seq_id`'s data, for the swap-in; its room is free again."""
+        del self.held[seq_id]
+        return self.data.pop(seq_id)

@@ -14,9 +14,10 @@ fresh queries, keys and values. That function
 
 1. writes the layer's new K/V into the layer's block pool at the step's slots, then
 2. reads each sequence's whole K/V back *through its block table*: decode tokens by paged
-   attention (the Triton kernel on CUDA, a C++ kernel on the CPU, both reading K/V where it lies;
-   without them a vectorized gather + grouped matmul), prefill chunks causally over their cached
-   prefix (prefix-cache hits, earlier chunks) plus themselves, a tile of queries at a time.
+   attention, through the backend ``minikv.dispatch`` chose once (the Triton kernel on CUDA, a C++
+   kernel on the CPU, both reading K/V where it lies; without them a vectorized gather + grouped
+   matmul), prefill chunks causally over their cached prefix (prefix-cache hits, earlier chunks)
+   plus themselves, a tile of queries at a time.
 
 Everything that describes the step's layout (slots, gather indices, masks) is built once per step
 in :class:`StepPlan` and handed to every layer through the forward's keyword arguments, so the
@@ -37,13 +38,13 @@ passed computes with stock PyTorch everywhere else.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from minikv.blocks import blocks_for
-from minikv.dispatch import kernel_wanted
+from minikv.dispatch import CPU_KERNEL, GATHER, AttnGroup, SeqStep, StepPlan, choose_backend, kernel_decode
+from minikv.metrics import SPAN_ATTENTION, SPAN_EXECUTE, SPAN_PLAN, spanned
 from minikv.sizing import cache_shape, kv_bytes_per_block
 from minikv.speed.linears import PackedLinears
 from minikv.validation import check_block_size, check_num_blocks
@@ -53,22 +54,11 @@ __all__ = ["ATTN_NAME", "ModelRunner", "Runner", "SeqStep", "StepPlan", "paged_a
 ATTN_NAME = "minikv_paged"
 
 
-@dataclass
-class SeqStep:
-    """One sequence's share of one step."""
-
-    seq_id: int
-    token_ids: list[int]  # tokens computed this step: a prefill chunk, or the one newest token
-    start_pos: int  # position of token_ids[0] = tokens of this sequence already in the KV cache
-    block_table: list[int]  # physical blocks covering positions 0 .. start_pos + len(token_ids) - 1
-    slots: list[int]  # the physical slot of each token in token_ids (block * block_size + offset)
-    wants_logits: bool  # sample after this step: a decode, or a prefill's last chunk
-
-
 @runtime_checkable
 class Runner(Protocol):
-    """What the engine and the scheduler ask of a model runner: `ModelRunner` here, and
-    ``minikv.sim.fake_runner.FakeRunner``, which needs no model. Blocks are the block manager's ints."""
+    """What the engine asks of a model runner (the scheduler never sees one: it only decides the block
+    operations): `ModelRunner` here, and ``minikv.sim.fake_runner.FakeRunner``, which needs no model.
+    Blocks are the block manager's ints."""
 
     def execute(self, steps: list[SeqStep]) -> torch.Tensor:
         """Write the steps' K/V at their slots and run them; logits [one row per step that wants them, vocab]."""
@@ -81,44 +71,6 @@ class Runner(Protocol):
 
     def swap_in(self, data: object, blocks: list[int]) -> None:
         """Write what `swap_out` returned back into (possibly other) blocks."""
-
-
-@dataclass
-class AttnGroup:
-    """Sequences whose queries are attended together, padded to the group's longest query and block run.
-
-    q_index [S*Q] token index (into the flattened step) of each padded query row; padding repeats a real one
-    q_valid: index of the real rows among the S*Q padded query rows (None: all are real)
-    out_index: token index of each real query row, in q_valid order
-    block_tables [S, W]: each sequence's blocks (padding repeats a real block; its keys are masked)
-    bias [KVH*S, G*Q, W*block_size]: 0 where a query may attend a key, -inf elsewhere (causal + sequence end);
-        None for a long prefill, whose bias is made per tile of q_tile queries from q_pos [S, Q]
-    seq_lens [S] int32: the kernel's input (decode groups on the kernel path only)
-    """
-
-    q_index: torch.Tensor
-    q_valid: torch.Tensor | None
-    out_index: torch.Tensor
-    block_tables: torch.Tensor
-    bias: torch.Tensor | None
-    q_len: int
-    q_pos: torch.Tensor  # [S, Q] each query row's position in its sequence (padding rows: 0)
-    q_tile: int  # query rows per tile: all of them unless the scores would exceed SCORE_BUDGET
-    seq_lens: torch.Tensor | None = None
-    identity: bool = False  # one token per sequence, the whole step in order: no gather/scatter of queries
-    triton: bool = False  # a kernel group for the Triton kernel (else, on the CPU, the C++ one)
-
-
-@dataclass
-class StepPlan:
-    """The step's layout, built once and read by every layer's attention call."""
-
-    k_stores: list[torch.Tensor]  # per layer [kv_heads, num_blocks, block_size, head_dim]
-    v_stores: list[torch.Tensor]
-    slots: torch.Tensor  # [T] int64
-    groups: list[AttnGroup]
-    kernel_groups: list[AttnGroup]  # decode groups that go through the Triton kernel
-    num_tokens: int
 
 
 # The most score elements one attention call materializes (16 MiB in fp32): a longer prefill chunk is
@@ -257,6 +209,7 @@ def _attend(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, g
     return out if group.q_valid is None else out[group.q_valid]
 
 
+@spanned(SPAN_ATTENTION)
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                             minikv_plan: StepPlan | None = None, **kwargs):
     """The attention function ``transformers`` calls in every layer (registered as ``"minikv_paged"``).
@@ -283,31 +236,15 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if len(plan.groups) == 1 and plan.groups[0].identity and not plan.kernel_groups:
         out = _attend(grouped, k_store, v_store, plan.groups[0], scaling)
     elif len(plan.kernel_groups) == 1 and plan.kernel_groups[0].identity and not plan.groups:
-        out = _kernel_decode(query[0].transpose(0, 1), k_store, v_store, plan.kernel_groups[0], scaling)
+        out = kernel_decode(query[0].transpose(0, 1), k_store, v_store, plan.kernel_groups[0], scaling)
     else:
         out = query.new_empty(num_tokens, num_heads, head_dim)
         for group in plan.groups:  # at most six: decodes and prefill chunks, each split by length
             out[group.out_index] = _attend(grouped, k_store, v_store, group, scaling)
         for group in plan.kernel_groups:
             q = query[0, :, group.out_index].transpose(0, 1)  # [S, H, D]
-            out[group.out_index] = _kernel_decode(q, k_store, v_store, group, scaling)
+            out[group.out_index] = kernel_decode(q, k_store, v_store, group, scaling)
     return out.unsqueeze(0), None
-
-
-def _kernel_decode(q, k_store, v_store, group, scaling):
-    """Decode tokens by a kernel that reads K/V in place: Triton's on CUDA (or its interpreter when forced),
-    the C++ one of ``kernels/paged_attention_cpu.cpp`` on the CPU."""
-    if q.device.type == "cpu" and not group.triton:
-        from kernels.paged_attention_cpu import paged_decode
-
-        return paged_decode(q, k_store, v_store, group.block_tables, group.seq_lens, scaling)
-    from kernels.paged_attention import paged_attention as kernel
-
-    # The kernel's layout, [blocks, block_size, KVH, D], as a view of the head-major store (it
-    # reads through strides). Inputs were checked when the step was planned; re-checking in every
-    # layer would read seq_lens back from the GPU thirty times a step.
-    return kernel(q.contiguous(), k_store.permute(1, 2, 0, 3), v_store.permute(1, 2, 0, 3),
-                  group.block_tables, group.seq_lens, scaling, check_inputs=False)
 
 
 def _no_mask(*args, **kwargs):
@@ -325,29 +262,39 @@ def register() -> None:
 
 
 class ModelRunner:
-    """Owns the KV block pools of one model and runs engine steps through it.
+    """Owns the KV block pools of one model and runs engine steps through it, with its speed levers.
 
-    Pools: per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim] in the model's
-    dtype and device. ``use_kernel=None`` sends decode tokens through the Triton kernel on CUDA and
-    the vectorized PyTorch path on the CPU; ``True`` on the CPU runs the kernel under Triton's
-    interpreter (slow: for testing the GPU's code path), ``False`` never uses it.
-    ``cpu_kernel=None`` sends CPU fp32 decode tokens through the C++ kernel of
-    ``kernels/paged_attention_cpu.cpp`` (built once, on first use) when it builds, else through the
-    gather path; ``False`` always gathers; ``True`` insists (and says why it cannot).
-    ``compile=True`` runs decode steps through ``torch.compile`` (see ``minikv.speed.compile``), compiling
-    once here: tens of seconds of start-up for a faster step.
+    Pools: per layer, K and V stored head-major, [kv_heads, num_blocks, block_size, head_dim], in the
+    model's dtype and device (``k_stores``; ``k_pools`` are the same memory in the course's layout,
+    [num_blocks, block_size, kv_heads, head_dim]).
+
+    Decode attention goes through one backend (``attn_backend``), chosen once by
+    ``minikv.dispatch.choose_backend``: ``use_kernel=None`` takes the Triton kernel on CUDA, ``True`` on
+    the CPU runs it under Triton's interpreter (slow: for testing the GPU's code path), ``False`` never;
+    ``cpu_kernel=None`` takes the C++ kernel on the CPU in fp32 when it builds, ``False`` never, ``True``
+    insists (and says why it cannot); otherwise the gather path.
+
+    The speed levers (``minikv.speed``), each the runner's own:
     ``prepack_linears=None`` prepacks the linear weights for oneDNN on the CPU in fp32 (see
     :class:`PackedLinears`); ``False`` keeps eager ``F.linear``.
+    ``compile=True`` runs decode steps through ``torch.compile`` (see ``minikv.speed.compile``), compiling
+    once here: tens of seconds of start-up for a faster step.
+    ``decode_graphs=True`` runs decode steps of up to ``max_num_seqs`` sequences through CUDA graphs
+    captured here (``minikv.speed.graphs``; on the CPU the same plan runs eagerly). Their padding rows
+    need a scratch block no sequence is ever given, so the pool gets one block more than ``num_blocks``
+    (block ``num_blocks``); the block manager still hands out ``num_blocks``.
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, *, use_kernel: bool | None = None,
-                 prepack_linears: bool | None = None, cpu_kernel: bool | None = None, compile: bool = False):
+                 prepack_linears: bool | None = None, cpu_kernel: bool | None = None, compile: bool = False,
+                 decode_graphs: bool = False, max_num_seqs: int = 64):
         check_num_blocks(num_blocks)
         check_block_size(block_size)
         register()
         self.model = model.eval()
         config = model.config
-        self.num_blocks, self.block_size = num_blocks, block_size
+        pool_blocks = num_blocks + (1 if decode_graphs else 0)   # the scratch block of decode graphs
+        self.num_blocks, self.block_size = pool_blocks, block_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         # Stage 1's ModelShape, through the caches' check: a sliding-window model is refused, since
@@ -356,26 +303,27 @@ class ModelRunner:
         self.num_layers, self.kv_heads, self.head_dim = kv_shape.num_layers, kv_shape.num_kv_heads, kv_shape.head_dim
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_heads = text_config.num_attention_heads
-        self.use_kernel = kernel_wanted(self.device, use_kernel)
-        # Stored head-major, [kv_heads, num_blocks, block_size, head_dim], so a block gather gives
-        # each KV head's keys contiguously (see _attend); k_pools/v_pools are the same memory seen
-        # in the course's layout, [num_blocks, block_size, kv_heads, head_dim].
-        shape = (self.kv_heads, num_blocks, block_size, self.head_dim)
+        self.attn_backend = choose_backend(self.device, self.dtype, use_kernel, cpu_kernel)
+        # Head-major, so a block gather gives each KV head's keys contiguously (see _attend).
+        shape = (self.kv_heads, pool_blocks, block_size, self.head_dim)
         self.k_stores = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_stores = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.k_pools = [store.permute(1, 2, 0, 3) for store in self.k_stores]
         self.v_pools = [store.permute(1, 2, 0, 3) for store in self.v_stores]
         self.bytes_per_block = kv_bytes_per_block(kv_shape, block_size, self.dtype)
         self.packed = PackedLinears(model) if PackedLinears.wanted(model, prepack_linears) else None
-        self.cpu_kernel = self._cpu_kernel_wanted(cpu_kernel)
-        self.graphs = None  # minikv.speed.graphs.DecodeGraphs, when the engine asks for decode graphs
-        self.compiled = None
+        self.compiled = self.graphs = None   # both None until built: the compile warm-up runs a step
         if compile:
             self._compile()
+        if decode_graphs:
+            from minikv.speed.graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self, max_num_seqs, blocks_for(config.max_position_embeddings, block_size),
+                                       scratch_block=num_blocks)
 
     def _compile(self) -> None:
         """torch.compile the forward for decode steps (minikv.speed.compile) and compile it now."""
-        if not self.cpu_kernel:
+        if self.attn_backend != CPU_KERNEL:
             raise ValueError("compile=True needs the CPU attention kernel (a float32 model on the CPU, cpu_kernel "
                              "not False): the gather path's plan changes shape from step to step")
         from minikv.speed.compile import WARM_UP_SEQS, WARM_UP_WIDTH, CompiledForward
@@ -387,25 +335,6 @@ class ModelRunner:
             compiled.warm_up(lambda: self.execute([
                 SeqStep(i, [0], (w - 1) * b, list(range(i * w, (i + 1) * w)), [((i + 1) * w - 1) * b], True)
                 for i in range(s)]))
-
-    def _cpu_kernel_wanted(self, cpu_kernel: bool | None) -> bool:
-        """None (the default): the C++ decode kernel on the CPU in fp32 when it builds, else the gather path."""
-        if cpu_kernel is False or self.use_kernel:
-            return False
-        possible = self.device.type == "cpu" and self.dtype == torch.float32
-        if cpu_kernel and not possible:
-            raise ValueError(f"cpu_kernel=True needs a float32 model on the CPU; this one is {self.dtype} on "
-                             f"{self.device.type} (pass cpu_kernel=None to use it only where it applies)")
-        if not possible:
-            return False
-        from kernels import paged_attention_cpu
-
-        if paged_attention_cpu.load() is None:
-            if cpu_kernel:
-                raise RuntimeError(f"cpu_kernel=True but the CPU attention kernel could not be built: "
-                                   f"{paged_attention_cpu.why_not}")
-            return False
-        return True
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -431,6 +360,7 @@ class ModelRunner:
                 raise ValueError(f"sequence {step.seq_id}: block/slot {bad[0]} is outside the pool of "
                                  f"{self.num_blocks} blocks x {self.block_size}")
 
+    @spanned(SPAN_PLAN)
     def plan(self, steps: list[SeqStep]) -> tuple[StepPlan, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Flatten the steps: input ids, positions, logit rows, and the attention plan. Checks the input."""
         ids, positions, slots, logit_rows = [], [], [], []
@@ -450,9 +380,9 @@ class ModelRunner:
         dev = self.device
         groups, kernel_groups = [], []
         g = self.num_heads // self.kv_heads
-        if decode and (self.use_kernel or self.cpu_kernel):  # a kernel reads each sequence's own length:
+        if decode and self.attn_backend != GATHER:  # a kernel reads each sequence's own length:
             group = _build_group(decode, decode_at, self.block_size, dev, self.kv_heads, g, True, len(ids))
-            group.triton = self.use_kernel  # no padding to save, so one group
+            group.backend = self.attn_backend  # no padding to save, so one group
             kernel_groups.append(group)
         elif decode:
             # Padding every decode to the longest context would gather (and multiply) mostly padding
@@ -481,6 +411,7 @@ class ModelRunner:
             config._attn_implementation = previous
 
     @torch.inference_mode()
+    @spanned(SPAN_EXECUTE)
     def execute(self, steps: list[SeqStep]) -> torch.Tensor:
         """Run one step; return float32 logits [number of steps wanting logits, vocab], in steps' order."""
         if not steps:

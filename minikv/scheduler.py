@@ -25,9 +25,13 @@ admitted running sequence that is not yet scheduled this step (and was admitted 
 one in need) is the victim; if there is none, the sequence in need is preempted itself.
 ``recompute`` frees the victim's blocks and sends it to the front of the waiting queue: it
 will prefill prompt + generated tokens again (the prefix cache usually still holds most of
-them). ``swap`` copies its blocks to a CPU pool first and copies them back later; when the
-CPU pool is full it falls back to recompute. Either way the tokens are the same as without
-preemption; only time is lost.
+them). ``swap`` copies its blocks to a CPU pool (the `SwapSpace`) first and copies them back
+later; when the CPU pool is full it falls back to recompute. Either way the tokens are the same as
+without preemption; only time is lost.
+
+**Block operations.** The scheduler never touches K/V: copy-on-write copies, swap-outs and swap-ins
+go into the step's `SchedulerOutput.block_ops`, in the order they were decided, and the engine
+applies them through the runner before the forward.
 
 All bookkeeping is O(running sequences) per step: no scan of the block pool.
 
@@ -51,6 +55,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from minikv.prefix import SwapSpace
 from minikv.sequence import SeqStatus, Sequence
 from minikv.validation import check_long_prefill_token_threshold, check_preemption_mode
 
@@ -82,11 +87,37 @@ class Scheduled:
         return self.start + self.num_tokens == len(self.seq.token_ids)
 
 
+# The operations on the K/V pool a step needs before its forward. The scheduler only decides them (it
+# never sees the runner); the engine applies them through the runner, in the order they were decided:
+# a block freed by a swap-out may be the destination of a copy decided after it, so order matters.
+@dataclass(frozen=True)
+class CopyBlocks:
+    """Copy-on-write: copy each (source, destination) block, in every layer."""
+    pairs: list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class SwapOut:
+    """Copy these blocks of `seq_id` into the swap space (they are free once this op has run)."""
+    seq_id: int
+    blocks: list[int]
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    """Copy `seq_id`'s K/V from the swap space back into these (fresh) blocks."""
+    seq_id: int
+    blocks: list[int]
+
+
+BlockOp = CopyBlocks | SwapOut | SwapIn
+
+
 @dataclass
 class SchedulerOutput:
     """What one step hands the engine: plain data, no reference back to the scheduler."""
     scheduled: list[Scheduled] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)   # COW block copies to apply first
+    block_ops: list[BlockOp] = field(default_factory=list)   # to apply, in this order, before the forward
     preempted: list[Sequence] = field(default_factory=list)
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -107,14 +138,19 @@ class Scheduler:
     """Iteration-level scheduling over one block manager (see the module's docstring). Override
     `can_admit` and `choose_victim` to change the policy."""
 
-    def __init__(self, config: SchedulerConfig, block_manager, runner=None):
+    def __init__(self, config: SchedulerConfig, block_manager, swap: SwapSpace | None = None):
+        """`swap`: where swapped-out sequences wait (the engine moves their K/V); by default a swap
+        space of ``config.swap_blocks`` blocks."""
         check_preemption_mode(config.preemption_mode)
         check_long_prefill_token_threshold(config.long_prefill_token_threshold, config.enable_chunked_prefill)
-        self.config, self.bm, self.runner = config, block_manager, runner  # runner: only for swap
+        if swap is not None and not isinstance(swap, SwapSpace):
+            raise TypeError(f"swap must be a minikv.prefix.SwapSpace or None, not {type(swap).__name__} "
+                            "(the scheduler no longer takes a runner: the engine applies its block operations)")
+        self.config, self.bm = config, block_manager
+        self.swap = swap if swap is not None else SwapSpace(config.swap_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # admission order: the last one is the next victim
         self.swapped: deque[Sequence] = deque()
-        self.swap_used = 0                    # CPU pool blocks in use
         self.num_preemptions = 0
 
     # -- queues ------------------------------------------------------------------------------
@@ -132,8 +168,14 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SeqStatus.SWAPPED:
             self.swapped.remove(seq)
-            self._drop_swap(seq)
+            self.swap.release(seq.seq_id)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+
+    def fork(self, seq: Sequence, child: Sequence) -> None:
+        """`child` (a new sample of `seq`'s request) shares every block of `seq` and runs beside it."""
+        self.bm.fork(seq.seq_id, child.seq_id)
+        child.status, child.num_computed = SeqStatus.RUNNING, seq.num_computed
+        self.running.append(child)
 
     def remove_finished(self) -> None:
         self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
@@ -173,10 +215,10 @@ class Scheduler:
             if step.seats_used + self._seats(seq) > cfg.max_num_seqs:
                 break
             headroom = cfg.watermark_blocks if self.running else 0
-            if seq.swap_blocks + 1 > bm.num_free_blocks - headroom:
+            if self.swap.num_held(seq.seq_id) + 1 > bm.num_free_blocks - headroom:
                 break
             self.swapped.popleft()
-            self._swap_in(seq)
+            self._swap_in(seq, step)
             step.seats_used += self._seats(seq)
             n = min(self._cap(seq.num_to_compute), step.budget)
             if n == seq.num_to_compute or cfg.enable_chunked_prefill:
@@ -206,7 +248,7 @@ class Scheduler:
             seq.request.on_admitted(cached)
             self._schedule(seq, n, step)
 
-        out.copies = bm.take_copies()
+        self._flush_copies(step)
         return out
 
     # -- the policy (override these) ---------------------------------------------------------
@@ -289,15 +331,22 @@ class Scheduler:
             if victim is seq:
                 return 0
 
+    def _flush_copies(self, step: SchedulerStep) -> None:
+        """The copy-on-write copies the block manager recorded so far, as the step's next operation."""
+        copies = self.bm.take_copies()
+        if copies:
+            step.out.block_ops.append(CopyBlocks(copies))
+
     def _preempt(self, seq: Sequence, step: SchedulerStep) -> None:
         self.num_preemptions += 1
         seq.request.metrics.preemptions += 1
         step.out.preempted.append(seq)
         self.running.remove(seq)
-        table = self.bm.block_table(seq.seq_id)
-        if self.config.preemption_mode == "swap" and self.swap_used + len(table) <= self.config.swap_blocks:
-            seq.swap_data, seq.swap_blocks = self.runner.swap_out(table), len(table)
-            self.swap_used += len(table)
+        table = list(self.bm.block_table(seq.seq_id))
+        if self.config.preemption_mode == "swap" and self.swap.reserve(seq.seq_id, len(table)):
+            # Its blocks are read before anything decided after this point may reuse them.
+            self._flush_copies(step)
+            step.out.block_ops.append(SwapOut(seq.seq_id, table))
             self.bm.free(seq.seq_id)
             seq.status = SeqStatus.SWAPPED
             self.swapped.appendleft(seq)   # it was admitted before everything already swapped
@@ -307,21 +356,13 @@ class Scheduler:
             seq.status = SeqStatus.WAITING
             self.waiting.appendleft(seq)   # it arrived before everything still waiting
 
-    def _swap_in(self, seq: Sequence) -> None:
-        # Pending copy-on-write copies read their source blocks before the forward; apply them now,
+    def _swap_in(self, seq: Sequence, step: SchedulerStep) -> None:
+        # Pending copy-on-write copies read their source blocks before the forward; they go first,
         # so a block freed this step and reused by the swap-in is not overwritten before it is read.
-        copies = self.bm.take_copies()
-        if copies:
-            self.runner.copy_blocks(copies)
+        self._flush_copies(step)
         # Fresh blocks for everything it had computed (open with no tokens: no prefix lookup).
         self.bm.open(seq.seq_id, [])
         self.bm.append(seq.seq_id, seq.token_ids[:seq.num_computed])
-        self.runner.swap_in(seq.swap_data, self.bm.block_table(seq.seq_id))
-        self._drop_swap(seq)
+        step.out.block_ops.append(SwapIn(seq.seq_id, list(self.bm.block_table(seq.seq_id))))
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
-
-    def _drop_swap(self, seq: Sequence) -> None:
-        if seq.swap_data is not None:
-            self.swap_used -= seq.swap_blocks
-            seq.swap_data, seq.swap_blocks = None, 0

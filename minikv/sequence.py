@@ -56,8 +56,6 @@ class Sequence:
     # incremental detokenization state (see minikv.detokenizer.Detokenizer)
     prefix_offset: int = 0
     read_offset: int = 0
-    swap_data: object = None                 # the CPU copy of its blocks while SWAPPED
-    swap_blocks: int = 0                     # how many blocks that copy holds
 
     @property
     def num_prompt_tokens(self) -> int:

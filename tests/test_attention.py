@@ -7,6 +7,8 @@ simpler still: gather each sequence's K/V into one contiguous tensor and run PyT
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -165,3 +167,18 @@ def test_bad_input_gets_a_clear_error(case: str) -> None:
         paged_attention_ref(*inputs, 1.0)
     with pytest.raises(ValueError, match=message):
         decode_attention(*inputs, 1.0, use_kernel=False)
+
+
+def test_one_chooser_names_the_backend_from_device_dtype_and_switches() -> None:
+    """minikv.dispatch.choose_backend is the one place that picks Triton / the C++ kernel / gather."""
+    from kernels import paged_attention_cpu
+    from minikv.dispatch import choose_backend
+
+    assert choose_backend("cpu", torch.float16) == "gather"            # the C++ kernel is fp32 only
+    assert choose_backend("cpu", torch.float32, cpu_kernel=False) == "gather"
+    built = paged_attention_cpu.load() is not None
+    assert choose_backend("cpu", torch.float32) == ("cpu" if built else "gather")
+    with pytest.raises(ValueError, match="cpu_kernel=True needs a float32 model on the CPU"):
+        choose_backend("cpu", torch.bfloat16, cpu_kernel=True)
+    if importlib.util.find_spec("triton") is not None:
+        assert choose_backend("cpu", torch.float32, use_kernel=True, cpu_kernel=True) == "triton"  # Triton wins

@@ -118,3 +118,47 @@ def test_every_module_says_what_it_is_for():
     missing = [name for name, path in module_files().items()
                if path.stat().st_size and not ast.get_docstring(ast.parse(path.read_text()))]
     assert not missing, f"modules without a docstring: {missing}"
+
+
+# Data flows one way (input -> scheduler -> block manager -> runner -> attention -> kernel): the scheduler
+# decides block operations and the engine applies them through the runner, so the scheduler never imports it.
+def test_the_scheduler_does_not_import_the_runner():
+    graph = import_graph()
+    assert "minikv.runner" not in graph["minikv.scheduler"], "the scheduler decides; the engine calls the runner"
+    assert not any(m.startswith("minikv.speed") for m in graph["minikv.scheduler"])
+
+
+# Everyone outside the engine reads it through `LLMEngine.stats()`; only the engine (and the scheduler and
+# block manager themselves) touch the queues and the prefix cache's internals.
+INSIDE = {"minikv.engine", "minikv.scheduler", "minikv.prefix"}
+REACHING_IN = (r"\bscheduler\.(running|waiting|swapped)\b", r"\bbm\.cache\b", r"\.cache\.(evictable|by_hash|key_of)\b")
+
+
+def reaching_in(source: str) -> list[str]:
+    import re
+
+    return [m.group(0) for pattern in REACHING_IN for m in re.finditer(pattern, source)]
+
+
+def test_no_module_outside_the_engine_reaches_into_its_queues_or_cache():
+    found = {name: hits for name, path in module_files().items()
+             if name not in INSIDE and (hits := reaching_in(path.read_text()))}
+    assert not found, f"read the engine through LLMEngine.stats() (or the BlockManager's methods) instead: {found}"
+
+
+def test_the_reach_finder_finds_one():
+    assert reaching_in("n = len(engine.scheduler.waiting) + len(bm.cache.evictable)") == [
+        "scheduler.waiting", "bm.cache", ".cache.evictable"]
+    assert reaching_in("n = engine.stats().waiting; sched.running_total") == []
+
+
+# One attention backend: minikv.dispatch is the one chooser of Triton / C++ / gather, so it is the one
+# module of the package that imports a kernel (the kernel benchmark measures them directly); and the
+# runner's speed levers read the step layout from it, never the runner.
+def test_only_the_dispatcher_imports_a_kernel_and_speed_does_not_import_the_runner():
+    graph = import_graph()
+    importers = {name for name, deps in graph.items() if name.startswith("minikv")
+                 and any(d.startswith("kernels") for d in deps)}
+    assert importers <= {"minikv.dispatch", "minikv.bench.kernel"}, f"choose attention in minikv.dispatch: {importers}"
+    speed = {name: deps for name, deps in graph.items() if name.startswith("minikv.speed")}
+    assert not any("minikv.runner" in deps for deps in speed.values()), speed

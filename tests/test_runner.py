@@ -279,7 +279,8 @@ def test_greedy_tokens_equal_generate(kind, cpu_kernel):
     prompts = [random_tokens(rng, n) for n in (3, 17, 40, 9)]
     max_new = [12, 5, 9, 15]
     runner = ModelRunner(model, 64, 16, cpu_kernel=cpu_kernel)
-    assert runner.cpu_kernel == (cpu_kernel is None and paged_attention_cpu.load() is not None)
+    built = cpu_kernel is None and paged_attention_cpu.load() is not None
+    assert runner.attn_backend == ("cpu" if built else "gather")
     got = greedy_loop(runner, prompts, max_new, chunk=8)
     assert got == [hf_greedy(model, p, n) for p, n in zip(prompts, max_new)]
 
@@ -316,7 +317,7 @@ def test_cpu_kernel_falls_back_to_the_gather_path_when_it_cannot_be_built(monkey
     monkeypatch.setattr(paged_attention_cpu, "load", lambda verbose=False: None)
     monkeypatch.setattr(paged_attention_cpu, "why_not", "RuntimeError: no C++ compiler")
     model = tiny("llama")
-    assert not ModelRunner(model, 16, 16).cpu_kernel
+    assert ModelRunner(model, 16, 16).attn_backend == "gather"
     with pytest.raises(RuntimeError, match="no C.. compiler"):
         ModelRunner(model, 16, 16, cpu_kernel=True)
     with pytest.raises(ValueError, match="float32 model on the CPU"):
@@ -332,7 +333,7 @@ def test_kernel_path_under_the_interpreter_gives_the_same_tokens():
     max_new = [4, 3, 4]
     torch_path = greedy_loop(ModelRunner(model, 32, 16, use_kernel=False), prompts, max_new)
     kernel_runner = ModelRunner(model, 32, 16, use_kernel=True)
-    assert kernel_runner.use_kernel
+    assert kernel_runner.attn_backend == "triton"
     assert greedy_loop(kernel_runner, prompts, max_new) == torch_path
 
 

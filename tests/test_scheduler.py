@@ -60,7 +60,9 @@ def check_block_accounting(eng: LLMEngine) -> None:
     assert set(bm.tables) == live, "a sequence outside `running` holds blocks"
     for seq in list(sched.waiting) + list(sched.swapped):
         assert seq.seq_id not in bm.tables
-    assert sched.swap_used == sum(s.swap_blocks for s in sched.swapped) <= sched.config.swap_blocks
+    swap = sched.swap   # between steps every swap-out has run: each swapped sequence's K/V is there, nobody else's
+    assert set(swap.held) == set(swap.data) == {s.seq_id for s in sched.swapped}
+    assert swap.num_used_blocks <= sched.config.swap_blocks
     assert len(sched.running) <= sched.config.max_num_seqs
 
 
@@ -158,7 +160,7 @@ class EngineMachine(RuleBasedStateMachine):
                 assert len(out.outputs) == params.n
         bm = self.eng.bm
         assert not bm.tables and bm.num_free_blocks == self.eng.num_blocks   # free or cached-evictable
-        assert self.eng.scheduler.swap_used == 0
+        assert self.eng.scheduler.swap.num_used_blocks == 0
 
 
 TestEngineMachine = EngineMachine.TestCase
@@ -277,7 +279,7 @@ def test_abort_at_any_point_frees_every_block(mode, abort_at):
     for rid in list(eng.requests):
         assert eng.abort_request(rid).outputs[0].finish_reason in ("abort", "length")
     assert not eng.has_unfinished_requests() and not eng.scheduler.has_unfinished()
-    assert not eng.bm.tables and eng.bm.num_free_blocks == 16 and eng.scheduler.swap_used == 0
+    assert not eng.bm.tables and eng.bm.num_free_blocks == 16 and eng.scheduler.swap.num_used_blocks == 0
 
 
 def test_n_samples_share_the_prompt_blocks():
@@ -348,10 +350,6 @@ class OldestFirstVictims(Scheduler):
         return candidates[0] if candidates else seq
 
 
-def with_scheduler(eng: LLMEngine, cls) -> LLMEngine:
-    old = eng.scheduler
-    eng.scheduler = cls(old.config, old.bm, old.runner)
-    return eng
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -359,7 +357,7 @@ def test_a_policy_through_the_public_hooks_changes_the_schedule_not_the_tokens(m
     reqs = pressure_requests()
     default = make_engine(num_blocks=24, block_size=4, preemption_mode=mode)
     run_all(default, reqs)
-    eng = with_scheduler(make_engine(num_blocks=24, block_size=4, preemption_mode=mode), OldestFirstVictims)
+    eng = make_engine(num_blocks=24, block_size=4, preemption_mode=mode, scheduler_cls=OldestFirstVictims)
     outs = run_all(eng, pressure_requests())
     for rid, prompt, params in reqs:
         assert outs[rid].outputs[0].token_ids == expected(prompt, params)
@@ -375,6 +373,91 @@ def test_a_victim_that_is_not_a_candidate_is_refused_with_a_message():
         def choose_victim(self, seq, step):
             return next(s for s in self.running if s is not seq and s.seq_id in step.scheduled_ids)
 
-    eng = with_scheduler(make_engine(num_blocks=24, block_size=4), Bad)
+    eng = make_engine(num_blocks=24, block_size=4, scheduler_cls=Bad)
     with pytest.raises(ValueError, match="choose_victim returned .* victim_candidates"):
         run_all(eng, pressure_requests())
+
+
+class RecordingRunner(FakeRunner):
+    """The fake runner, logging each block operation it is asked for."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls: list[tuple] = []
+
+    def copy_blocks(self, pairs) -> None:
+        self.calls.append(("copy", [tuple(p) for p in pairs]))
+        super().copy_blocks(pairs)
+
+    def swap_out(self, blocks):
+        self.calls.append(("swap_out", list(blocks)))
+        return super().swap_out(blocks)
+
+    def swap_in(self, data, blocks) -> None:
+        self.calls.append(("swap_in", list(blocks)))
+        super().swap_in(data, blocks)
+
+
+def test_the_scheduler_decides_block_operations_and_the_engine_applies_them_in_order():
+    """The scheduler never calls the runner: it hands the engine copy / swap-out / swap-in operations in
+    the order it decided them, and the engine applies exactly those, in that order, before the forward."""
+    from minikv.scheduler import CopyBlocks, SwapIn, SwapOut
+
+    with pytest.raises(TypeError, match="no longer takes a runner"):
+        Scheduler(make_engine().scheduler.config, make_engine().bm, FakeRunner(24, 4, VOCAB))
+    runner = RecordingRunner(24, 4, VOCAB)
+    eng = LLMEngine(MODEL, None, num_blocks=24, block_size=4, verbose=False, runner=runner, preemption_mode="swap")
+    assert not hasattr(eng.scheduler, "runner")
+    decided = []
+    schedule = eng.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        for op in out.block_ops:
+            if isinstance(op, CopyBlocks):
+                decided.append(("copy", [tuple(p) for p in op.pairs]))
+            else:
+                decided.append(("swap_out" if isinstance(op, SwapOut) else "swap_in", list(op.blocks)))
+        return out
+
+    eng.scheduler.schedule = recording_schedule
+    reqs = pressure_requests()
+    reqs += [("n", [5, 6, 7, 8, 9, 10], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, n=3))]
+    outs = run_all(eng, reqs)
+    for rid, prompt, params in reqs:
+        assert all(c.token_ids == expected(prompt, params) for c in outs[rid].outputs)
+    assert runner.calls == decided
+    assert {kind for kind, _ in decided} == {"copy", "swap_out", "swap_in"}, "the workload exercises every kind"
+    assert SwapIn.__dataclass_params__.frozen and eng.scheduler.swap.num_used_blocks == 0
+
+
+def test_stats_is_a_frozen_snapshot_with_a_bounded_history(monkeypatch):
+    import dataclasses
+
+    import minikv.engine
+
+    monkeypatch.setattr(minikv.engine, "STEP_HISTORY", 8)
+    eng = make_engine(num_blocks=24, block_size=4)
+    reqs = pressure_requests(k=6)
+    for rid, prompt, params in reqs:
+        eng.add_request(rid, prompt, params)
+    s = eng.stats()
+    assert (s.running, s.waiting, s.swapped, s.steps) == (0, 6, 0, ())
+    assert s.reserved_blocks == sum(-(-(len(p) + q.max_tokens - 1) // 4) for _, p, q in reqs)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.running = 3
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+        s = eng.stats(history=3)
+        sched = eng.scheduler
+        assert (s.running, s.waiting, s.swapped) == (len(sched.running), len(sched.waiting), len(sched.swapped))
+        assert s.blocks_used + s.blocks_free == s.num_blocks == 24 and s.blocks_cached <= s.blocks_free
+        assert [x.step for x in s.steps] == list(range(max(0, steps - 3), steps))
+        assert s.last_step.blocks_used == s.blocks_used and s.preemptions == sched.num_preemptions
+    assert len(eng.stats(history=None).steps) <= 8 < steps, "the engine keeps a bounded history"
+    assert eng.stats().reserved_blocks == 0 and eng.stats(history=0).steps == ()
+    end = eng.stats()
+    assert end.prefix_tokens_hit <= end.prefix_tokens_queried and end.prefix_tokens_queried >= sum(
+        len(p) for _, p, _ in reqs), "every prompt was looked up at least once"

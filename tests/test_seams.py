@@ -167,6 +167,7 @@ LLM_BAD = [  # (argument, bad value, words)
     ("cpu_kernel", 1, "cpu_kernel must be True or False"),
     ("compile", "yes", "compile must be True or False"),
     ("decode_graphs", 1, "decode_graphs must be True or False"),
+    ("scheduler_cls", object, "scheduler_cls must be a subclass of minikv.scheduler.Scheduler"),
 ]
 
 

@@ -179,88 +179,53 @@ def decode_step_times(model, batches=(1, 8, 64, 256), context: int = 512, block_
     return times
 
 
-class _Timer:
-    """Wall-clock seconds spent inside wrapped functions, by label (the profile of an engine step)."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-
-    def wrap(self, owner, name: str, label: str):
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
-                self.calls[label] = self.calls.get(label, 0) + 1
-
-        setattr(owner, name, timed)
-        return inner
-
-    def hook(self, module: torch.nn.Module, label: str) -> list:
-        """Time a module's calls with forward hooks (whatever its forward is at the time)."""
-        started = []
-
-        def pre(*_):
-            started.append(time.perf_counter())
-
-        def post(*_):
-            self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - started.pop()
-            self.calls[label] = self.calls.get(label, 0) + 1
-
-        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-
-
 def profile_minikv(model, tokenizer, requests: list[Request], **engine_args) -> dict:
     """Where an engine step's time goes: scheduling and bookkeeping, step planning, the model's
-    forward (of which attention), the lm_head, sampling. Measured by wrapping those functions with
-    timers for one run of the workload (the wrappers cost microseconds per call)."""
-    from transformers import AttentionInterface
+    forward (of which attention), the lm_head, sampling. Read from the spans the engine and the runner
+    open (``minikv.metrics.span``) under ``torch.profiler`` for one run of the workload; the lm_head gets
+    a span through forward hooks. The profiler records every op, so the milliseconds are inflated a
+    little (the same way for every row); the shares are what to read."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
-    import minikv.engine as engine_module
-    import minikv.runner as runner_module
     from minikv.engine import LLM
-    from minikv.runner import ModelRunner
+    from minikv.metrics import SPAN_ATTENTION, SPAN_EXECUTE, SPAN_PLAN, SPAN_SAMPLE, SPAN_STEP
     from minikv.sampling import SamplingParams
 
-    timer = _Timer()
-    restore = [
-        (engine_module.LLMEngine, "step", timer.wrap(engine_module.LLMEngine, "step", "engine step (total)")),
-        (ModelRunner, "execute", timer.wrap(ModelRunner, "execute", "runner.execute")),
-        (ModelRunner, "plan", timer.wrap(ModelRunner, "plan", "plan the step (index tensors)")),
-        (engine_module, "sample", timer.wrap(engine_module, "sample", "sampling")),
-        (runner_module, "paged_attention_forward",
-         timer.wrap(runner_module, "paged_attention_forward", "attention (write K/V + paged attention)")),
-    ]
-    AttentionInterface.register(runner_module.ATTN_NAME, runner_module.paged_attention_forward)
-    # lm_head by hooks: the runner swaps the module's forward for its prepacked one while it executes.
-    hooks = timer.hook(model.lm_head, "lm_head")
+    lm_head_span = "minikv.lm_head"
+    open_spans = []
+
+    def enter(*_):
+        open_spans.append(record_function(lm_head_span))
+        open_spans[-1].__enter__()
+
+    def leave(*_):
+        open_spans.pop().__exit__(None, None, None)
+
+    # The runner swaps the lm_head's forward for its prepacked one while it executes; hooks still run.
+    hooks = [model.lm_head.register_forward_pre_hook(enter), model.lm_head.register_forward_hook(leave)]
     try:
         llm = LLM(model, tokenizer=tokenizer, verbose=False, **engine_args)
         params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
-        llm.generate([{"prompt_token_ids": r.prompt} for r in requests], params, use_tqdm=False)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            llm.generate([{"prompt_token_ids": r.prompt} for r in requests], params, use_tqdm=False)
     finally:
-        for owner, name, inner in restore:
-            setattr(owner, name, inner)
         for hook in hooks:
             hook.remove()
-        AttentionInterface.register(runner_module.ATTN_NAME, runner_module.paged_attention_forward)
-    t = timer.seconds
-    steps = timer.calls.get("engine step (total)", 1)
-    total = t.get("engine step (total)", 0.0)
-    forward = t.get("runner.execute", 0.0) - t.get("plan the step (index tensors)", 0.0)
-    attention = t.get("attention (write K/V + paged attention)", 0.0)
-    lm_head = t.get("lm_head", 0.0)
+    events = {e.key: e for e in prof.key_averages()}
+
+    def seconds(name: str) -> float:
+        return events[name].cpu_time_total / 1e6 if name in events else 0.0
+
+    steps = events[SPAN_STEP].count if SPAN_STEP in events else 1
+    total, execute, plan = seconds(SPAN_STEP), seconds(SPAN_EXECUTE), seconds(SPAN_PLAN)
+    attention, lm_head, sampling = seconds(SPAN_ATTENTION), seconds(lm_head_span), seconds(SPAN_SAMPLE)
     rows = {
-        "scheduling, block manager, bookkeeping": total - t.get("runner.execute", 0.0) - t.get("sampling", 0.0),
-        "plan the step (index tensors)": t.get("plan the step (index tensors)", 0.0),
-        "model forward without attention and lm_head": forward - attention - lm_head,
+        "scheduling, block manager, bookkeeping": total - execute - sampling,
+        "plan the step (index tensors)": plan,
+        "model forward without attention and lm_head": execute - plan - attention - lm_head,
         "attention (write K/V + paged attention)": attention,
         "lm_head (last token of each sampling sequence)": lm_head,
-        "sampling": t.get("sampling", 0.0),
+        "sampling": sampling,
     }
     return {"steps": steps, "seconds": total, "ms_per_step": {k: 1e3 * v / steps for k, v in rows.items()}}
 
@@ -296,7 +261,7 @@ def plot(results: dict, llm, path: str) -> None:
     bars.bar(names, [results[k]["tokens_per_s"] for k in names], color=["#999", "#69c", "#e73", "#5a5"][: len(names)])
     bars.set_ylabel("useful tokens / s")
     bars.set_title("throughput, same workload")
-    stats = llm.engine.step_stats
+    stats = llm.engine.stats(history=None).steps
     steps = [s.step for s in stats]
     timeline.plot(steps, [s.blocks_used for s in stats], label="blocks used")
     timeline.plot(steps, [s.num_running for s in stats], label="running")
@@ -429,7 +394,7 @@ def cli(argv: list[str] | None = None) -> int:
     if model.device.type == "cuda":
         report["decode_step_seconds"] = decode_step_times(model)
     if llm is not None:
-        stats = llm.engine.step_stats
+        stats = llm.engine.stats(history=None).steps
         report["minikv_steps"] = len(stats)
         report["minikv_mean_batch_tokens"] = sum(s.tokens_scheduled for s in stats) / max(len(stats), 1)
 

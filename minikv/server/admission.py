@@ -77,15 +77,13 @@ def request_info(prompt_tokens: int, max_tokens: int, block_size: int, waited_s:
 
 
 def engine_state(engine, now_s: float, held: int, queued: int, step_s: float) -> dict:
-    """The state dict of a live `LLMEngine` (read in the thread that steps it)."""
-    sched, bm = engine.scheduler, engine.bm
-    reserved = sum(-(-min(len(r.prompt_token_ids) + r.params.max_tokens - 1, engine.max_model_len)
-                     // engine.block_size) * r.params.n for r in engine.requests.values())
-    return {"now_s": now_s, "running": len(sched.running), "waiting": len(sched.waiting) + len(sched.swapped),
-            "held": held, "queued": queued, "free_blocks": bm.num_free_blocks, "num_blocks": engine.num_blocks,
-            "block_size": engine.block_size, "reserved_blocks": reserved,
-            "max_num_seqs": sched.config.max_num_seqs, "step_s": step_s,
-            "preemptions": sched.num_preemptions}
+    """The state dict of a live `LLMEngine`, from its snapshot (``engine.stats()``, read in the thread that
+    steps it)."""
+    now = engine.stats(history=0)
+    return {"now_s": now_s, "running": now.running, "waiting": now.waiting + now.swapped,
+            "held": held, "queued": queued, "free_blocks": now.blocks_free, "num_blocks": now.num_blocks,
+            "block_size": now.block_size, "reserved_blocks": now.reserved_blocks,
+            "max_num_seqs": now.max_num_seqs, "step_s": step_s, "preemptions": now.preemptions}
 
 
 class Gate:

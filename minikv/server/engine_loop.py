@@ -144,13 +144,12 @@ class EngineLoop:
                         time.sleep(0.01)   # held requests and an idle engine: ask again in a moment
                 if self._live:
                     self._post(self.engine.step())
-                    self._step_s = self.engine.step_stats[-1].duration if self.engine.step_stats else 0.0
+                    last = self.engine.stats(history=1).last_step
+                    self._step_s = last.duration if last is not None else 0.0
                     if gate is not None:
                         gate.snapshot(self.engine, self.num_queued, self._step_s)
                     if self.metrics is not None:
                         self.metrics.after_step(self.engine, bool(self._live))
-                    if len(self.engine.step_stats) > 4096:   # a server runs for days: keep the recent steps only
-                        del self.engine.step_stats[:-1024]
         except BaseException as err:   # a bug: tell every waiting client instead of leaving it hanging
             self.error = err
             with self._lock:

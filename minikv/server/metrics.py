@@ -49,32 +49,28 @@ class ServerMetrics:
         self.ttft = hist("time_to_first_token_seconds", "Time to first token (arrival to first token).")
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens of a request.")
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish of a request.")
-        self._queried = self._hit = 0
+        self._queried = self._hit = self._preempted = 0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def after_step(self, engine, live: bool, stepped: bool = True) -> None:
-        """Gauges from the engine's last step, counters by how much its totals grew."""
-        if stepped and engine.step_stats:
-            last = engine.step_stats[-1]
-            self.preemptions.inc(last.preemptions)
-            self.running.set(last.num_running if live else 0)
-            self.waiting.set(last.num_waiting + last.num_swapped if live else 0)
-        elif not live:
-            self.running.set(0)
-            self.waiting.set(0)
-        bm = engine.bm
-        free, cached = bm.num_free_blocks, len(bm.cache.evictable)
-        used = engine.num_blocks - free
-        self.blocks_used.set(used)
-        self.blocks_cached.set(cached)
-        self.blocks_free.set(free)
-        self.usage.set(used / engine.num_blocks)
-        stats = bm.stats
-        self.prefix_queries.inc(stats.tokens_queried - self._queried)
-        self.prefix_hits.inc(stats.tokens_hit - self._hit)
-        self._queried, self._hit = stats.tokens_queried, stats.tokens_hit
+        """Gauges from the engine's snapshot (``engine.stats()``), counters by how much its totals grew.
+
+        `stepped`: the engine ran a step since the last call (else the queue gauges keep their values
+        while it is live: an abort or a finish between steps changes only the pool)."""
+        now = engine.stats(history=0)
+        self.preemptions.inc(now.preemptions - self._preempted)
+        if stepped or not live:
+            self.running.set(now.running if live else 0)
+            self.waiting.set(now.waiting + now.swapped if live else 0)
+        self.blocks_used.set(now.blocks_used)
+        self.blocks_cached.set(now.blocks_cached)
+        self.blocks_free.set(now.blocks_free)
+        self.usage.set(now.blocks_used / now.num_blocks)
+        self.prefix_queries.inc(now.prefix_tokens_queried - self._queried)
+        self.prefix_hits.inc(now.prefix_tokens_hit - self._hit)
+        self._queried, self._hit, self._preempted = now.prefix_tokens_queried, now.prefix_tokens_hit, now.preemptions
 
     def after_tokens(self, m, new_tokens: int, seen: int) -> int:
         """Observe TTFT at a request's first token and each new gap of sample 0; return the gaps seen."""

@@ -1,7 +1,12 @@
-"""The engine's speed levers, each switchable so a benchmark can show what it is worth.
+"""The model runner's speed levers, each a switch of ``ModelRunner`` (and so of ``LLM``/``LLMEngine``),
+so a benchmark can show what it is worth (``python -m minikv bench engine --repeat``):
 
-* ``linears``: oneDNN-prepacked linear weights on the CPU (``prepack_linears``).
-* ``graphs``: the decode step planned for CUDA graph replay (persistent buffers, padding).
+* ``linears``: oneDNN-prepacked linear weights on the CPU in fp32 (``prepack_linears``);
+* ``compile``: decode steps through ``torch.compile`` (``compile``);
+* ``graphs``: decode steps replayed from CUDA graphs, over persistent buffers padded to captured batch
+  sizes (``decode_graphs``; on the CPU the same plan runs eagerly).
 
-The CPU attention kernel, the third lever (``cpu_kernel``), lives beside the Triton one in ``kernels/``.
+The runner builds them; they read its step layout from ``minikv.dispatch`` and never import the runner.
+The C++ decode attention kernel (``cpu_kernel``) is an attention backend, chosen in ``minikv.dispatch``
+beside the Triton one; both live in ``kernels/``.
 """

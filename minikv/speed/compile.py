@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from minikv.dispatch import CPU_KERNEL
+
 __all__ = ["CompiledForward", "WARM_UP_SEQS", "WARM_UP_WIDTH"]
 
 # The shape of the step that compiles the graph: sequences and block-table width. Distinct from each
@@ -49,7 +51,8 @@ class CompiledForward:
         if plan.groups or len(plan.kernel_groups) != 1:
             return False
         group = plan.kernel_groups[0]
-        return group.identity and not group.triton and plan.num_tokens >= 2 and group.block_tables.shape[1] >= 2
+        return (group.identity and group.backend == CPU_KERNEL and plan.num_tokens >= 2
+                and group.block_tables.shape[1] >= 2)
 
     def warm_up(self, run_step) -> None:
         """Compile now, by running one decode step (``run_step()``), and record how long that took."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from minikv.blocks import blocks_for
-from minikv.runner import AttnGroup, SeqStep, StepPlan
+from minikv.dispatch import GATHER, AttnGroup, SeqStep, StepPlan
 
 __all__ = ["DecodeGraphPlan", "DecodeGraphs", "graph_batch_sizes"]
 
@@ -105,7 +105,7 @@ class DecodeGraphs:
         self.capture = device.type == "cuda" if capture is None else capture
         if self.capture and device.type != "cuda":
             raise ValueError("capturing CUDA graphs needs a CUDA model; capture=False runs the same plan eagerly")
-        if not (runner.use_kernel or runner.cpu_kernel):
+        if runner.attn_backend == GATHER:
             raise ValueError("decode graphs need a decode kernel (Triton on CUDA, cpu_kernel on the CPU in fp32)")
         if not 0 <= scratch_block < runner.num_blocks:
             raise ValueError(f"scratch block {scratch_block} is outside the runner's pool of {runner.num_blocks}")
@@ -124,7 +124,7 @@ class DecodeGraphs:
         p, r, rows = self.plan, self.runner, self.rows[:b]
         group = AttnGroup(q_index=rows, q_valid=None, out_index=rows, block_tables=p.block_tables[:b], bias=None,
                           q_len=1, q_pos=p.positions[:b, None], q_tile=1, seq_lens=p.seq_lens[:b], identity=True,
-                          triton=r.use_kernel)
+                          backend=r.attn_backend)
         return StepPlan(r.k_stores, r.v_stores, p.slots[:b], [], [group], b)
 
     def _forward(self, b: int) -> torch.Tensor:

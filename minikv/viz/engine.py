@@ -95,13 +95,13 @@ def batching_figure(output_lengths: Sequence[int], batch_size: int = 4) -> Figur
 
 
 def engine_occupancy_figure(steps: Sequence, title: str = "") -> Figure:
-    """The engine's occupancy timeline from its per-step metrics (``engine.step_stats``).
+    """The engine's occupancy timeline from its per-step metrics (``engine.stats(history=None).steps``).
 
     Top: the block pool at every step, stacked: blocks held by running sequences, free blocks that
     still hold a cached prefix (evictable), never-used free blocks. Bottom: sequences running,
     waiting and swapped out; a red tick marks each step that preempted someone."""
     if not steps:
-        raise ValueError("no steps to draw: run the engine first (engine.step_stats is empty)")
+        raise ValueError("no steps to draw: run the engine first (engine.stats().steps is empty)")
     x = np.array([s.step for s in steps])
     used = np.array([s.blocks_used for s in steps])
     cached = np.array([s.blocks_cached for s in steps])

@@ -58,7 +58,7 @@ def shared_memory_map(bm, *, cols: int | None = None, ax=None, title: str = "", 
     fig, ax = axes(ax, (min(MAX_WIDTH_IN, 0.3 * cols + 0.8), 0.32 * rows + 1.6))  # 32 columns fit unscaled
     names = list(bm.tables)
     color = {name: seq_color(i) for i, name in enumerate(names)}
-    owners, evictable = _owners(bm), set(bm.cache.evictable)
+    owners, evictable = _owners(bm), set(bm.evictable_blocks)
     for b in range(n):
         x, y = b % cols, b // cols
         own = owners.get(b, [])
@@ -144,11 +144,10 @@ def hash_chain_figure(bm, seq_ids: Sequence | None = None, *, max_tokens: int = 
     depth_max = max([nodes[k][1] for k in nodes] + [0]) + 2
     fig = Figure(figsize=(min(MAX_WIDTH_IN, 1.5 + 2.1 * depth_max), 1.0 + 0.95 * max(lane[0], 1)))
     ax = fig.add_subplot()
-    cache = bm.cache
     for k in order:
         key, depth, parent, _ = nodes[k]
         x, y = depth * (W + GAP), y_of[k] * (H + 0.4)
-        block = cache.by_hash.get(key.hash)
+        block = bm.cached_block(key.hash)
         refs = bm.allocator.refcount(block) if block is not None else 0
         ax.add_patch(Rectangle((x, y), W, H, facecolor="#e8f0fa" if refs < 2 else "#fde9c9",
                                edgecolor="black", lw=1.6 if refs > 1 else 0.8))

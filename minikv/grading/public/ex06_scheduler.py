@@ -28,9 +28,10 @@ class PolicyScheduler(Scheduler):
     Records each step's decisions in ``trace`` (request names, not global seq ids, so two engines can
     be compared) and counts the tokens computed in ``computed``."""
 
-    def __init__(self, config, block_manager, runner, admit, victim):
-        super().__init__(config, block_manager, runner)
-        self.admit_fn, self.victim_fn = admit, victim
+    admit_fn = victim_fn = None   # set on the subclass that `policy_scheduler` makes
+
+    def __init__(self, config, block_manager, swap=None):
+        super().__init__(config, block_manager, swap)
         self.trace: list[tuple] = []
         self.computed = 0
 
@@ -70,12 +71,20 @@ class PolicyScheduler(Scheduler):
         return out
 
 
+def policy_scheduler(admit, victim) -> type[PolicyScheduler]:
+    """A scheduler class with this policy, for ``LLMEngine(..., scheduler_cls=policy_scheduler(admit, victim))``."""
+    return type("PolicyScheduler", (PolicyScheduler,), {"admit_fn": staticmethod(admit) if admit else None,
+                                                        "victim_fn": staticmethod(victim) if victim else None})
+
+
 def use_policy(engine, admit, victim) -> PolicyScheduler:
-    """Give `engine` (a fresh `LLMEngine`, no request added yet) a scheduler with this policy."""
+    """Give `engine` (a fresh `LLMEngine`, no request added yet) a scheduler with this policy, built as the
+    engine builds its own (same config, block manager and swap space). A new engine takes
+    ``scheduler_cls=policy_scheduler(admit, victim)`` instead."""
     if engine.scheduler.has_unfinished():
         raise ValueError("plug a policy into a fresh engine, before adding requests")
     old = engine.scheduler
-    engine.scheduler = PolicyScheduler(old.config, old.bm, old.runner, admit, victim)
+    engine.scheduler = policy_scheduler(admit, victim)(old.config, old.bm, engine.swap)
     return engine.scheduler
 
 
@@ -109,8 +118,9 @@ def run_fake(workload, admit, victim, max_steps: int = 3000) -> Run:
                     max_num_batched_tokens=w["budget"], enable_chunked_prefill=w["chunked"],
                     enable_prefix_caching=w["caching"], preemption_mode=w["mode"],
                     watermark=0.01 if admit is None else 0, max_num_seqs=w["max_num_seqs"],
-                    runner=FakeRunner(w["num_blocks"], w["block_size"], model.config.vocab_size))
-    sched = use_policy(eng, admit, victim)
+                    runner=FakeRunner(w["num_blocks"], w["block_size"], model.config.vocab_size),
+                    scheduler_cls=policy_scheduler(admit, victim))
+    sched = eng.scheduler
     for i, (prompt, k) in enumerate(w["requests"]):
         eng.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=k, ignore_eos=True))
     tokens, steps = {}, 0

@@ -90,9 +90,10 @@ def simulate(decide, sc: dict, max_steps: int = 20000) -> dict:
             if decision == "queue":
                 break
             held.popleft()
-        longest = max(longest, len(held) + len(eng.scheduler.waiting))
+        waiting = eng.stats(history=0).waiting
+        longest = max(longest, len(held) + waiting)
         if longest > MAX_QUEUE:
-            raise AssertionError(f"{len(held)} requests held and {len(eng.scheduler.waiting)} waiting in the "
+            raise AssertionError(f"{len(held)} requests held and {waiting} waiting in the "
                                  f"engine at t={now:.2f}s: a queue over {MAX_QUEUE} is not bounded back-pressure; "
                                  f"refuse (429) sooner ({describe(sc)})")
         if eng.has_unfinished_requests():
