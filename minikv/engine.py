@@ -4,9 +4,10 @@ One `LLMEngine.step()` is one iteration of continuous batching, three short meth
 
     schedule     the scheduler decides who computes which tokens, into which slots
     execute      copy-on-write block copies, then one forward of the model over every scheduled token
-    postprocess  sample, append, stop checks (stop strings through the `Detokenizer`), retire finished
+    postprocess  sample, append, stop checks, retire finished
 
-and returns the `RequestOutput`s that changed. `LLM.generate` is that loop with a progress bar.
+and returns the `RequestOutput`s that changed, each with this step's deltas (the output processor,
+`minikv.outputs`, makes the text and finds stop strings). `LLM.generate` is that loop with a progress bar.
 Data flows one way: request -> scheduler -> block manager -> model runner -> attention.
 
 The KV pool is sized once, at start (`kv_pool_blocks`), and printed: a serving engine
@@ -25,8 +26,8 @@ from pathlib import Path
 import torch
 
 from minikv.blocks import blocks_for
-from minikv.detokenizer import Detokenizer
 from minikv.metrics import RequestMetrics, StepStats, summarize
+from minikv.outputs import OutputProcessor, RequestOutput
 from minikv.prefix import BlockManager
 from minikv.runner import ModelRunner, Runner, SeqStep
 from minikv.sampling import SamplingParams, make_generator, sample
@@ -49,54 +50,6 @@ from minikv.validation import (
 
 CPU_KV_CACHE_MEMORY = 1 << 30      # the CPU default pool: 1 GiB (a GPU gets a share of its free memory)
 GPU_KV_CACHE_FRACTION = 0.5        # of the device memory free once the weights are loaded
-
-
-# -- outputs ---------------------------------------------------------------------------------
-class CompletionOutput:
-    """One sample of a request, read live from its sequence (so streaming costs nothing per step)."""
-
-    def __init__(self, seq: Sequence, detokenizer: Detokenizer):
-        self._seq, self._detok = seq, detokenizer
-        self.index = seq.index
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._seq.output_token_ids
-
-    @property
-    def text(self) -> str:
-        return self._detok.output_text(self._seq)
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self._seq.finish_reason
-
-    def __repr__(self) -> str:
-        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
-                f"finish_reason={self.finish_reason!r})")
-
-
-class RequestOutput:
-    """A request's prompt and its n samples so far; the same object is updated as it runs."""
-
-    def __init__(self, request: Request, detokenizer: Detokenizer):
-        self._request, self._detok = request, detokenizer
-        self.request_id = request.request_id
-        self.prompt = request.prompt
-        self.prompt_token_ids = request.prompt_token_ids
-        self.metrics = request.metrics
-
-    @property
-    def outputs(self) -> list[CompletionOutput]:
-        return [CompletionOutput(s, self._detok) for s in self._request.seqs]
-
-    @property
-    def finished(self) -> bool:
-        return self._request.finished
-
-    def __repr__(self) -> str:
-        return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
-                f"outputs={self.outputs}, finished={self.finished})")
 
 
 # -- sizing ----------------------------------------------------------------------------------
@@ -228,7 +181,7 @@ class LLMEngine:
 
             self.runner.graphs = DecodeGraphs(self.runner, max_num_seqs, blocks_for(self.max_model_len, block_size),
                                               scratch_block=self.num_blocks)
-        self.detokenizer = Detokenizer(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer)
         self.device = next(model.parameters()).device
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -302,9 +255,8 @@ class LLMEngine:
         req = Request(request_id, text, ids, params,
                       RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter()))
         seq = Sequence(req, 0, list(ids), generator=make_generator(params.seed, self.device))
-        self.detokenizer.start(seq)
         req.seqs.append(seq)
-        req.output = RequestOutput(req, self.detokenizer)
+        self.output_processor.add(req)
         self.requests[request_id] = req
         self.scheduler.add(seq)
 
@@ -318,7 +270,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
         self.scheduler.remove_finished()
         req.metrics.finished_time = time.perf_counter()
-        self._aborted.append(req.output)
+        self._aborted.append(self.output_processor.emit(req))
         return req.output
 
     def has_unfinished_requests(self) -> bool:
@@ -375,7 +327,7 @@ class LLMEngine:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
         self._record(batch, t0, now)
-        return [req.output for req in touched.values()]
+        return [self.output_processor.emit(req) for req in touched.values()]
 
     def _sample(self, batch: SchedulerOutput, logits: torch.Tensor) -> tuple[list[Sequence], list[int]]:
         """One token for each sequence whose chunk reached its newest token.
@@ -411,7 +363,6 @@ class LLMEngine:
             child = Sequence(req, i, list(seq.token_ids), status=SeqStatus.RUNNING, num_computed=seq.num_computed,
                              generator=make_generator(None if req.params.seed is None else req.params.seed + i,
                                                       self.device))
-            self.detokenizer.start(child)
             self.bm.fork(seq.seq_id, child.seq_id)
             self.scheduler.running.append(child)
             req.seqs.append(child)
@@ -428,15 +379,13 @@ class LLMEngine:
         if m.first_token_time is None:
             m.first_token_time = now
         p = seq.request.params
-        reason, stop_string = None, bool(p.stop) and self.detokenizer.step(seq)
+        reason, stop_string = None, self.output_processor.append(seq, tok)
         if stop_string or (tok in self.eos_token_ids and not p.ignore_eos) or (
                 p.stop_token_ids and tok in p.stop_token_ids):
             reason = "stop"
         elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            if p.stop and not stop_string:
-                self.detokenizer.flush(seq)   # the text's last characters may still be pending
             self.scheduler.finish(seq, reason)
 
 

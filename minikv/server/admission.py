@@ -95,7 +95,7 @@ class Gate:
 
     def __init__(self, policy: BackPressurePolicy, block_size: int):
         self.policy, self.block_size = policy, block_size
-        self.held: deque = deque()     # (request_id, arrival perf_counter, prompt tokens, max_tokens, item)
+        self.held: deque = deque()     # the engine loop's held `Add`s: request_id, arrival, prompt_tokens, params
         self.view: dict = {}
         self.t0 = time.perf_counter()
         self._lock = threading.Lock()  # a policy is asked from two threads: one question at a time
@@ -120,19 +120,20 @@ class Gate:
     def release(self, engine, queued: int, step_s: float, admit, refuse) -> None:
         """Ask about each held request, oldest first, until the policy says "queue"."""
         while self.held:
-            rid, arrival, n_prompt, n_max, item = self.held[0]
+            add = self.held[0]
             self.snapshot(engine, queued, step_s)
-            info = request_info(n_prompt, n_max, self.block_size, time.perf_counter() - arrival, held=True)
+            info = request_info(add.prompt_tokens, add.params.max_tokens, self.block_size,
+                                time.perf_counter() - add.arrival, held=True)
             decision, reason = self._ask(info, self.view)
             if decision == "queue":
                 return
             self.held.popleft()
-            admit(item) if decision == "admit" else refuse(item, reason)
+            admit(add) if decision == "admit" else refuse(add, reason)
 
     def drop(self, request_id: str):
-        """Take a held request out (its client went away); returns its inbox item or None."""
-        for entry in self.held:
-            if entry[0] == request_id:
-                self.held.remove(entry)
-                return entry[4]
+        """Take a held request out (its client went away); returns its `Add` or None."""
+        for add in self.held:
+            if add.request_id == request_id:
+                self.held.remove(add)
+                return add
         return None

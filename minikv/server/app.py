@@ -20,8 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minikv.server.detok import IncrementalText
-from minikv.server.engine_loop import Delta, EngineLoop, ServerClosing, Update
+from minikv.server.engine_loop import EngineLoop, ServerClosing, Update
 from minikv.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_fits, parse
 from minikv.server.responses import Choice, Envelope, extra, sse, usage
 
@@ -157,23 +156,13 @@ async def _serve(request: Request, state: ServerState, kind, request_id: str):
     except ServerClosing:
         raise APIError(503, "the server is shutting down; send the request to another server or retry later") \
             from None
-    hold = max((len(s) for s in params.stop), default=1) - 1 if params.stop else 0
-    choices = [Choice(i, None if params.stop else IncrementalText(state.tokenizer, ids), hold)
-               for i in range(params.n)]
+    choices = [Choice(i) for i in range(params.n)]
     env = Envelope(request_id, state.model_name, chat=isinstance(req, ChatCompletionRequest),
                    prompt_token_ids=ids)
     if req.stream:
         return StreamingResponse(_stream(state, request_id, outbox, env, choices, req, len(ids)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return await _collect(request, state, request_id, outbox, env, choices, req, len(ids))
-
-
-def _finish_missing(choices: list[Choice], update: Update) -> None:
-    """An aborted request may never have forked into its n samples: they end too, as aborted."""
-    if update.finished:
-        present = {d.index for d in update.deltas}
-        update.deltas += [Delta(c.index, [], None, "abort") for c in choices
-                          if c.finish_reason is None and c.index not in present]
 
 
 async def _stream(state, request_id, outbox, env: Envelope, choices, req, prompt_len):
@@ -189,13 +178,12 @@ async def _stream(state, request_id, outbox, env: Envelope, choices, req, prompt
             if update.error:
                 yield sse(APIError(update.error_status, update.error).body())
                 break
-            _finish_missing(choices, update)
             chunks = []
             for d in update.deltas:
                 c = choices[d.index]
-                text = c.apply(d.token_ids, d.text, d.finish_reason)
-                if text or d.finish_reason or (req.return_token_ids and d.token_ids):
-                    chunks.append(env.chunk(c, text, d.finish_reason, d.token_ids if req.return_token_ids else None))
+                c.add(d)
+                if d.text or d.finish_reason or (req.return_token_ids and d.token_ids):
+                    chunks.append(env.chunk(c, d.text, d.finish_reason, d.token_ids if req.return_token_ids else None))
             if finished:
                 info = update.info
                 if chunks and not req.include_usage:
@@ -217,9 +205,8 @@ async def _collect(request: Request, state, request_id, outbox, env: Envelope, c
             if update.error:
                 raise APIError(update.error_status, update.error,
                                headers={"Retry-After": "1"} if update.error_status == 429 else None)
-            _finish_missing(choices, update)
             for d in update.deltas:
-                choices[d.index].apply(d.token_ids, d.text, d.finish_reason)
+                choices[d.index].add(d)
             if update.finished:
                 return update
 
