@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import operator
 import re
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from minikv.blocks import blocks_for
+from minikv.inputs import EngineLimits, InputProcessor
 from minikv.metrics import RequestMetrics, StepStats, summarize
 from minikv.outputs import OutputProcessor, RequestOutput
 from minikv.prefix import BlockManager
@@ -182,6 +182,10 @@ class LLMEngine:
             self.runner.graphs = DecodeGraphs(self.runner, max_num_seqs, blocks_for(self.max_model_len, block_size),
                                               scratch_block=self.num_blocks)
         self.output_processor = OutputProcessor(tokenizer)
+        self.input_processor = InputProcessor(tokenizer, EngineLimits(
+            vocab_size=self.vocab_size, max_model_len=self.max_model_len, num_blocks=self.num_blocks,
+            block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill))
         self.device = next(model.parameters()).device
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -194,67 +198,17 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
 
     # -- requests ------------------------------------------------------------------------------
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise InvalidArgument("prompt", prompt, message="a dict prompt needs the key 'prompt_token_ids'; "
-                                      f"got keys {sorted(prompt)}")
-            try:   # a list, a tuple, an array or a tensor of integers
-                ids = [operator.index(t) for t in prompt["prompt_token_ids"]]
-            except TypeError:
-                raise InvalidArgumentType("prompt_token_ids", prompt["prompt_token_ids"],
-                                          "a list of integer token ids") from None
-            return prompt.get("prompt"), ids
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidArgument("prompt", prompt, message="a text prompt needs a tokenizer: pass tokenizer=... "
-                                      "or give token ids ({'prompt_token_ids': [...]})")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise InvalidArgumentType("prompt", prompt, "a str, a list of token ids or {'prompt_token_ids': [...]}")
-
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        """Queue one request; every check happens here, so a bad request never reaches the batch."""
+        """Queue one request; it passes the input processor first, so a bad request never reaches the batch."""
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgumentType("params", params, "a SamplingParams")
         if request_id in self.requests:
             raise InvalidArgument("request_id", request_id, message=f"request id {request_id!r} is already in use; "
                                   "give each request its own id")
-        text, ids = self._tokenize(prompt)
-        if not ids:
-            raise InvalidArgument("prompt", prompt, message="empty prompt: give at least one token (a text prompt "
-                                  "must tokenize to something)")
-        if not all(0 <= t < self.vocab_size for t in ids):
-            raise InvalidArgument("prompt", prompt, message=f"prompt token ids must lie in [0, {self.vocab_size}) "
-                                  "(the model's vocabulary)")
-        if len(ids) > self.max_model_len:
-            raise InvalidArgument("prompt", prompt, message=f"prompt of {len(ids)} tokens is longer than the model's "
-                                  f"context of {self.max_model_len} tokens (max_position_embeddings); shorten it")
-        if params.stop and self.tokenizer is None:
-            raise InvalidArgument("stop", params.stop, message="stop strings need a tokenizer to detokenize; use "
-                                  "stop_token_ids instead")
-        cfg = self.scheduler.config
-        if params.n > cfg.max_num_seqs:
-            raise InvalidArgument("n", params.n, message=f"n={params.n} samples cannot run together with "
-                                  f"max_num_seqs={cfg.max_num_seqs}; lower n or raise max_num_seqs")
-        # The most K/V one sequence ever holds: every token but the last one sampled.
-        longest = min(len(ids) + params.max_tokens - 1, self.max_model_len)
-        need = blocks_for(longest, self.block_size)
-        if need > self.num_blocks:
-            raise InvalidArgument("max_tokens", params.max_tokens, message=(
-                f"request {request_id!r} cannot fit even alone: {len(ids)} prompt + {params.max_tokens} max_tokens "
-                f"need up to {need} blocks of {self.block_size} tokens, but the pool has {self.num_blocks}; give "
-                "the cache more memory or lower max_tokens"))
-        if not cfg.enable_chunked_prefill and longest > cfg.max_num_batched_tokens:
-            raise InvalidArgument("max_tokens", params.max_tokens, message=(
-                f"without chunked prefill a sequence of up to {longest} tokens must fit in one step, but "
-                f"max_num_batched_tokens={cfg.max_num_batched_tokens}; raise it or enable chunked prefill"))
-        req = Request(request_id, text, ids, params,
+        checked = self.input_processor.process(prompt, params)
+        req = Request(request_id, checked.text, checked.token_ids, params,
                       RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter()))
-        seq = Sequence(req, 0, list(ids), generator=make_generator(params.seed, self.device))
+        seq = Sequence(req, 0, list(checked.token_ids), generator=make_generator(params.seed, self.device))
         req.seqs.append(seq)
         self.output_processor.add(req)
         self.requests[request_id] = req
@@ -457,14 +411,11 @@ class LLM:
 
     def chat(self, conversations, sampling_params=None, use_tqdm: bool = True, **template_kwargs):
         """Apply the tokenizer's chat template to each conversation (a list of {"role", "content"})."""
-        if self.tokenizer is None:
-            raise InvalidArgument("tokenizer", None, message="chat needs a tokenizer with a chat template: "
-                                  "pass tokenizer=...")
+        inputs = self.engine.input_processor
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         prompts = []
         for c in conversations:
-            text = self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False, **template_kwargs)
-            # the template already wrote any special tokens it wants: do not add them again
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+            chat = inputs.chat(c, **template_kwargs)
+            prompts.append({"prompt": chat.text, "prompt_token_ids": chat.token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

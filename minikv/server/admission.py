@@ -36,6 +36,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+from minikv.inputs import blocks_at_most
+
 log = logging.getLogger("minikv.server")
 DECISIONS = ("admit", "queue", "refuse")
 HARD_LIMIT = 1024   # held requests, whatever the policy says: a queue is never unbounded
@@ -71,9 +73,8 @@ def normalize(answer, who: str = "decide") -> tuple[str, str]:
 
 def request_info(prompt_tokens: int, max_tokens: int, block_size: int, waited_s: float = 0.0,
                  held: bool = False) -> dict:
-    at_most = prompt_tokens + max_tokens - 1
     return {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "waited_s": waited_s, "held": held,
-            "blocks_at_most": -(-at_most // block_size)}
+            "blocks_at_most": blocks_at_most(prompt_tokens, max_tokens, block_size)}
 
 
 def engine_state(engine, now_s: float, held: int, queued: int, step_s: float) -> dict:

@@ -105,7 +105,7 @@ def run_server(args) -> int:
     metrics = ServerMetrics(name)
     loop = EngineLoop(engine, metrics)
     state = ServerState(loop, tokenizer, name, max_waiting=args.max_waiting, api_key=args.api_key,
-                        max_body_bytes=args.max_request_bytes, metrics=metrics, max_num_seqs=args.max_num_seqs)
+                        max_body_bytes=args.max_request_bytes, metrics=metrics)
     metrics.after_step(engine, live=False, stepped=False)
     loop.start()
     pool = engine.num_blocks * engine.block_size
