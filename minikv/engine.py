@@ -17,14 +17,13 @@ reserves its cache up front and then lives within it; admission and preemption a
 from __future__ import annotations
 
 import itertools
-import math
-import re
 import time
 from pathlib import Path
 
 import torch
 
 from minikv.blocks import blocks_for
+from minikv.config import EngineConfig, parse_bytes
 from minikv.inputs import EngineLimits, InputProcessor
 from minikv.metrics import RequestMetrics, StepStats, summarize
 from minikv.outputs import OutputProcessor, RequestOutput
@@ -37,14 +36,9 @@ from minikv.sizing import fmt_bytes, kv_bytes_per_block
 from minikv.validation import (
     InvalidArgument,
     InvalidArgumentType,
-    check_block_size,
     check_bool,
-    check_int,
-    check_long_prefill_token_threshold,
     check_model,
     check_num_blocks,
-    check_number,
-    check_preemption_mode,
     check_tokenizer,
 )
 
@@ -53,25 +47,6 @@ GPU_KV_CACHE_FRACTION = 0.5        # of the device memory free once the weights 
 
 
 # -- sizing ----------------------------------------------------------------------------------
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: int | float | str, param: str = "a memory size") -> int:
-    """``2 * 2**30``, ``"2GiB"``, ``"512 MB"``, ``"1.5gib"`` -> bytes. `param` names the argument in errors."""
-    must = "a positive number of bytes or a string like '2GiB' or '512MB'"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value > 0 and math.isfinite(value):
-            return int(value)
-        raise InvalidArgument(param, value, must)
-    if not isinstance(value, str):
-        raise InvalidArgumentType(param, value, must)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", value.lower())
-    if not m or float(m.group(1)) <= 0:
-        raise InvalidArgument(param, value, must)
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-
-
 def kv_pool_blocks(model, block_size: int, num_blocks: int | None, kv_cache_memory, max_num_seqs: int,
                    max_model_len: int) -> tuple[int, int]:
     """How many blocks the KV pool gets, and the bytes one block takes (K and V, every layer).
@@ -114,84 +89,72 @@ class LLMEngine:
     extra pool block as their scratch; on the CPU the same plan runs eagerly (a test of it, not a speed-up).
     """
 
-    def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_memory=None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 long_prefill_token_threshold: int | None = None,
-                 preemption_mode: str = "recompute", swap_space=None, watermark: float = 0.01,
-                 runner=None, verbose: bool = True, prepack_linears: bool | None = None,
-                 cpu_kernel: bool | None = None, compile: bool = False, decode_graphs: bool = False):
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *, runner=None,
+                 **engine_args):
+        """`config` (a `minikv.config.EngineConfig`) or its fields as keywords (``block_size=8, ...``)."""
         check_model(model)
         check_tokenizer(tokenizer)
-        check_block_size(block_size)
-        check_int("num_blocks", num_blocks, 1, "KV blocks in the pool", optional=True)
-        check_int("max_num_seqs", max_num_seqs, 1, "sequences running at once")
-        check_int("max_num_batched_tokens", max_num_batched_tokens, 1, "tokens computed per step", optional=True)
-        check_bool("enable_prefix_caching", enable_prefix_caching)
-        check_bool("enable_chunked_prefill", enable_chunked_prefill)
-        check_long_prefill_token_threshold(long_prefill_token_threshold, enable_chunked_prefill)
-        check_preemption_mode(preemption_mode)
-        for name, size in (("kv_cache_memory", kv_cache_memory), ("swap_space", swap_space)):
-            if size is not None:
-                parse_bytes(size, name)
-        check_number("watermark", watermark, 0, 1, high_open=True, what="share of the pool kept free when admitting")
+        if config is None:
+            config = EngineConfig.from_kwargs(**engine_args)
+        elif not isinstance(config, EngineConfig):
+            raise InvalidArgumentType("config", config, "None or a minikv.config.EngineConfig")
+        elif engine_args:
+            raise InvalidArgument("config", config, message=f"give config= or its fields as keywords, not both "
+                                  f"(got config and {', '.join(sorted(engine_args))})")
         if runner is not None and not isinstance(runner, Runner):
             raise InvalidArgumentType("runner", runner, "None or a model runner (execute, copy_blocks, swap_out, "
                                       "swap_in: see minikv.runner.Runner)")
-        check_bool("verbose", verbose)
-        check_bool("compile", compile)
-        check_bool("decode_graphs", decode_graphs)
-        if decode_graphs and runner is not None:
-            raise InvalidArgument("decode_graphs", decode_graphs, message=(
+        if config.decode_graphs and runner is not None:
+            raise InvalidArgument("decode_graphs", config.decode_graphs, message=(
                 "decode_graphs=True captures minikv's own ModelRunner; it cannot be combined with runner="))
-        for name, lever in (("prepack_linears", prepack_linears), ("cpu_kernel", cpu_kernel)):
-            if lever is not None:
-                check_bool(name, lever)
+        self.config = c = config
         self.model, self.tokenizer = model, tokenizer
-        config = model.config
-        self.max_model_len = config.max_position_embeddings
-        eos = getattr(config, "eos_token_id", None)
+        model_config = model.config
+        self.max_model_len = model_config.max_position_embeddings
+        eos = getattr(model_config, "eos_token_id", None)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos = tokenizer.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-        self.vocab_size = config.vocab_size
+        self.vocab_size = model_config.vocab_size
 
+        max_num_batched_tokens = c.max_num_batched_tokens
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, self.max_model_len)
+            max_num_batched_tokens = 2048 if c.enable_chunked_prefill else max(2048, self.max_model_len)
 
         self.num_blocks, self.bytes_per_block = kv_pool_blocks(
-            model, block_size, num_blocks, kv_cache_memory, max_num_seqs, self.max_model_len)
-        self.block_size = block_size
+            model, c.block_size, c.num_blocks, c.kv_cache_memory, c.max_num_seqs, self.max_model_len)
+        self.block_size = c.block_size
         swap_blocks = 0
-        if preemption_mode == "swap":
-            swap_blocks = (self.num_blocks if swap_space is None
-                           else parse_bytes(swap_space, "swap_space") // self.bytes_per_block)
-        if verbose:
-            print(f"minikv: KV cache pool of {self.num_blocks} blocks x {block_size} tokens "
-                  f"= {self.num_blocks * block_size} tokens, {fmt_bytes(self.num_blocks * self.bytes_per_block)}")
+        if c.preemption_mode == "swap":
+            swap_blocks = (self.num_blocks if c.swap_space is None
+                           else parse_bytes(c.swap_space, "swap_space") // self.bytes_per_block)
+        if c.verbose:
+            print(f"minikv: KV cache pool of {self.num_blocks} blocks x {c.block_size} tokens "
+                  f"= {self.num_blocks * c.block_size} tokens, {fmt_bytes(self.num_blocks * self.bytes_per_block)}")
 
-        self.bm = BlockManager(self.num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.bm = BlockManager(self.num_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching)
         # With decode graphs the runner's pool has one block more than the block manager's: the scratch
         # block that padding rows write to and read from, which no sequence is ever given.
         self.runner = runner if runner is not None else ModelRunner(
-            model, self.num_blocks + (1 if decode_graphs else 0), block_size, prepack_linears=prepack_linears,
-            cpu_kernel=cpu_kernel, compile=compile)
-        if decode_graphs:
+            model, self.num_blocks + (1 if c.decode_graphs else 0), c.block_size, prepack_linears=c.prepack_linears,
+            cpu_kernel=c.cpu_kernel, compile=c.compile)
+        if c.decode_graphs:
             from minikv.speed.graphs import DecodeGraphs
 
-            self.runner.graphs = DecodeGraphs(self.runner, max_num_seqs, blocks_for(self.max_model_len, block_size),
+            self.runner.graphs = DecodeGraphs(self.runner, c.max_num_seqs,
+                                              blocks_for(self.max_model_len, c.block_size),
                                               scratch_block=self.num_blocks)
         self.output_processor = OutputProcessor(tokenizer)
         self.input_processor = InputProcessor(tokenizer, EngineLimits(
             vocab_size=self.vocab_size, max_model_len=self.max_model_len, num_blocks=self.num_blocks,
-            block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill))
+            block_size=c.block_size, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=c.enable_chunked_prefill))
         self.device = next(model.parameters()).device
         self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
-            watermark_blocks=max(1, int(watermark * self.num_blocks)) if watermark > 0 else 0,
-            swap_blocks=swap_blocks, long_prefill_token_threshold=long_prefill_token_threshold),
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=c.enable_chunked_prefill, preemption_mode=c.preemption_mode,
+            watermark_blocks=max(1, int(c.watermark * self.num_blocks)) if c.watermark > 0 else 0,
+            swap_blocks=swap_blocks, long_prefill_token_threshold=c.long_prefill_token_threshold),
             self.bm, self.runner)
         self.requests: dict[str, Request] = {}
         self.step_stats: list[StepStats] = []
@@ -348,8 +311,9 @@ class LLM:
 
     `model` is a loaded ``transformers`` causal LM (give its `tokenizer` for text prompts) or a
     name for `minikv.models.load_model` ("smollm2-135m", "tiny-random-llama", or a Hub id). The
-    other arguments are `LLMEngine`'s (pool size, budgets, prefix caching, chunked prefill,
-    preemption mode, swap space).
+    other arguments are `LLMEngine`'s: `runner`, and the fields of `minikv.config.EngineConfig`
+    (pool size, budgets, prefix caching, chunked prefill, preemption mode, swap space) as keywords
+    or as one ``config=EngineConfig(...)``.
     """
 
     def __init__(self, model, tokenizer=None, **engine_args):
