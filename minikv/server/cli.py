@@ -83,6 +83,7 @@ def run_server(args) -> int:
     for flag in ("port", "max_waiting", "max_request_bytes"):
         if getattr(args, flag) < (0 if flag == "port" else 1):
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    config = EngineConfig.from_cli_args(args, verbose=False)   # a bad engine flag fails before the model loads
     if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
@@ -90,7 +91,6 @@ def run_server(args) -> int:
     if tokenizer is None and ALIASES.get(args.model, args.model) == TINY:
         from minikv.server.tokenizer import byte_tokenizer
         tokenizer = byte_tokenizer()   # so the tiny test model reads text and chat too
-    config = EngineConfig.from_cli_args(args, verbose=False)
     engine = LLMEngine(model, tokenizer, config)
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
