@@ -1,94 +1,83 @@
 """Token ids to text, one token at a time, and the stop strings that text may contain.
 
-A request with ``stop=["\\n\\n"]`` must finish the moment its text contains the stop string, and
-its text must end just before it. The engine sees tokens, not text, so after every new token the
-`Detokenizer` extends the sequence's text by what that token added, looks for a stop string in
-the new part, and on a hit cuts the text there.
+Every sample of every request has one `IncrementalDetokenizer` (the output processor,
+`minikv.outputs`, keeps them). It turns the sample's new token ids into new text, finds a stop
+string the moment the text contains one, and hands out only the text that is safe to show.
 
 Decoding one token alone is wrong for most tokenizers: a token's leading space, or a character
 split over several byte-level tokens, depends on its neighbours. So, as vLLM and Hugging Face's
-``TextStreamer`` do, each sequence keeps two offsets into its token ids:
+``TextStreamer`` do, the detokenizer keeps two offsets into its token ids:
 
-* ``prefix_offset``: where the decoded window starts (a few tokens back, for context);
-* ``read_offset``: the first token whose text is not yet in ``seq.text``.
+* ``prefix``: where the decoded window starts (a few tokens back, for context);
+* ``read``: the first token whose text is not yet in ``text``.
 
-The new text is ``decode(ids[prefix_offset:]) - decode(ids[prefix_offset:read_offset])``. While
-the window ends in an incomplete character (U+FFFD) nothing is emitted: the next token completes it.
+The new text is ``decode(ids[prefix:]) - decode(ids[prefix:read])``. While the window ends in
+an incomplete character (U+FFFD) nothing is added: the next token completes it.
 
-Only requests with stop strings are detokenized step by step (the others decode their output
-once, when asked for it: `output_text`). The state lives on the `Sequence` (``text``,
-``prefix_offset``, ``read_offset``), so a sequence can be preempted and resumed without losing it.
+A request with ``stop=["\\n\\n"]`` must finish the moment its text contains the stop string, and
+its text must end just before it. So the last ``len(longest stop) - 1`` characters are *held
+back* while the sample runs (they may be the start of a stop string), and released when it
+finishes without one. Offline and streamed text are the same deltas, so they agree by construction.
 """
 
 from __future__ import annotations
-
-from minikv.sequence import Sequence
 
 # How many prompt tokens back the first window starts, so the first output token's leading space is right.
 PROMPT_CONTEXT_TOKENS = 5
 REPLACEMENT = "\ufffd"  # what decode gives for the bytes of a character that is not complete yet
 
 
-def text_delta(tokenizer, ids: list[int], prefix: int, read: int, final: bool) -> str | None:
-    """The text that ``ids[read:]`` add to the window ``ids[prefix:read]``; None while that text ends
-    in an incomplete character (or adds nothing), unless `final`: wait for the next token."""
-    before = tokenizer.decode(ids[prefix:read], skip_special_tokens=True)
-    now = tokenizer.decode(ids[prefix:], skip_special_tokens=True)
-    if not final and (len(now) <= len(before) or now.endswith(REPLACEMENT)):
-        return None
-    return now[len(before):]
+class IncrementalDetokenizer:
+    """One sample's text: ``push(ids)`` after each step, ``take(finished)`` for the text to show.
 
+    With no tokenizer there is no text at all (token ids only), and no stop strings.
+    """
 
-class Detokenizer:
-    """Incremental text and stop strings for the sequences of one tokenizer (None: no text at all)."""
-
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str] | None = None):
         self.tokenizer = tokenizer
+        self.stop = list(stop or [])
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        # a little left context: the first output token's leading space
+        self.ids = list(prompt_ids[max(len(prompt_ids) - PROMPT_CONTEXT_TOKENS, 0):])
+        self.prefix = 0
+        self.read = len(self.ids)
+        self.text = ""          # the sample's text so far (cut just before a stop string once one is found)
+        self.sent = 0           # characters of `text` already handed out by `take`
+        self.stopped = False    # a stop string was found: `text` is final
 
-    def start(self, seq: Sequence) -> None:
-        """Set up a new sequence: its text is empty, its first output token is the next to decode."""
-        seq.prefix_offset = max(seq.num_prompt_tokens - PROMPT_CONTEXT_TOKENS, 0)
-        seq.read_offset = seq.num_prompt_tokens
-
-    def step(self, seq: Sequence) -> bool:
-        """Add the newest token's text to ``seq.text``; True if that text completes a stop string
-        (``seq.text`` is then cut just before the earliest stop string in it)."""
-        stops = seq.request.params.stop
-        old_len = len(seq.text)
-        if not self._extend(seq, final=False):
+    def push(self, token_ids: list[int]) -> bool:
+        """Add new tokens; True when their text completes a stop string (`text` is then cut before it)."""
+        if self.tokenizer is None or self.stopped:
+            return False
+        self.ids += token_ids
+        old_len = len(self.text)
+        if not self._extend(final=False) or not self.stop:
             return False
         # A stop string can only end in the new text: search from where it could start.
-        start = max(0, old_len - max(len(s) for s in stops) + 1)
-        hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
+        start = max(0, old_len - self.hold)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
         if hits:
-            seq.text = seq.text[:min(hits)]
-            return True
-        return False
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+        return self.stopped
 
-    def flush(self, seq: Sequence) -> None:
-        """The sequence finished without a stop string: emit whatever text is still pending."""
-        if seq.read_offset < len(seq.token_ids):
-            self._extend(seq, final=True)
+    def take(self, finished: bool) -> str:
+        """The text not handed out yet. While the sample runs, the last characters that could begin a
+        stop string stay back; once it finished, everything goes, incomplete characters included."""
+        if finished and not self.stopped and self.tokenizer is not None and self.read < len(self.ids):
+            self._extend(final=True)
+        end = len(self.text) if finished or self.stopped else max(self.sent, len(self.text) - self.hold)
+        delta, self.sent = self.text[self.sent:end], end
+        return delta
 
-    def output_text(self, seq: Sequence) -> str:
-        """The sequence's output as text: the incremental text when it has stop strings (cut at the
-        stop string), else its output tokens decoded at once."""
-        if self.tokenizer is None:
-            return ""
-        if seq.request.params.stop:
-            return seq.text
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-
-    def _extend(self, seq: Sequence, final: bool) -> bool:
-        """Append the text of tokens read_offset.. to seq.text; False (nothing done) while it ends
-        in an incomplete character, unless `final`."""
-        ids = seq.token_ids
-        delta = text_delta(self.tokenizer, ids, seq.prefix_offset, seq.read_offset, final)
-        if delta is None:   # wait for more tokens
-            return False
-        seq.text += delta
-        if final:
-            seq.read_offset = len(ids)
-        else:
-            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+    def _extend(self, final: bool) -> bool:
+        """Append the text of tokens read.. to `text`; False (nothing done) while it ends in an incomplete
+        character or adds nothing, unless `final`."""
+        ids = self.ids
+        before = self.tokenizer.decode(ids[self.prefix:self.read], skip_special_tokens=True)
+        now = self.tokenizer.decode(ids[self.prefix:], skip_special_tokens=True)
+        if not final and (len(now) <= len(before) or now.endswith(REPLACEMENT)):
+            return False   # wait for the next token
+        self.text += now[len(before):]
+        self.prefix, self.read = (self.prefix, len(ids)) if final else (self.read, len(ids))
         return True

@@ -6,12 +6,14 @@ One `LLMEngine.step()` is one iteration of continuous batching, three short meth
                  are copied or swapped (plain data: a `SchedulerOutput`)
     execute      the engine applies those block operations through the runner, in the order decided,
                  then one forward of the model over every scheduled token
-    postprocess  sample, append, stop checks (stop strings through the `Detokenizer`), retire finished
+    postprocess  sample, append, stop checks, retire finished
 
-and returns the `RequestOutput`s that changed. `LLM.generate` is that loop with a progress bar.
-Data flows one way: request -> scheduler -> block manager, and the scheduler's output -> engine ->
-model runner -> attention -> kernel. The scheduler never sees the runner; nothing outside the engine
-reads its queues or pool except through `LLMEngine.stats()`, a frozen snapshot.
+and returns the `RequestOutput`s that changed, each with this step's deltas (the output processor,
+`minikv.outputs`, makes the text and finds stop strings). `LLM.generate` is that loop with a progress bar.
+Data flows one way: input processor (`minikv.inputs`) -> scheduler -> block manager, and the scheduler's
+output -> engine -> model runner -> attention -> kernel -> output processor. The scheduler never sees the
+runner; nothing outside the engine reads its queues or pool except through `LLMEngine.stats()`, a frozen
+snapshot.
 
 The KV pool is sized once, at start (`kv_pool_blocks`), and printed: a serving engine
 reserves its cache up front and then lives within it; admission and preemption are how.
@@ -20,16 +22,14 @@ reserves its cache up front and then lives within it; admission and preemption a
 from __future__ import annotations
 
 import itertools
-import math
-import operator
-import re
 import time
 from pathlib import Path
 
 import torch
 
 from minikv.blocks import blocks_for
-from minikv.detokenizer import Detokenizer
+from minikv.config import EngineConfig, parse_bytes
+from minikv.inputs import EngineLimits, InputProcessor
 from minikv.metrics import (
     SPAN_SAMPLE,
     SPAN_STEP,
@@ -40,6 +40,7 @@ from minikv.metrics import (
     span,
     summarize,
 )
+from minikv.outputs import OutputProcessor, RequestOutput
 from minikv.prefix import BlockManager, SwapSpace
 from minikv.runner import ModelRunner, Runner, SeqStep
 from minikv.sampling import SamplingParams, make_generator, sample
@@ -49,14 +50,10 @@ from minikv.sizing import fmt_bytes, kv_bytes_per_block
 from minikv.validation import (
     InvalidArgument,
     InvalidArgumentType,
-    check_block_size,
     check_bool,
     check_int,
-    check_long_prefill_token_threshold,
     check_model,
     check_num_blocks,
-    check_number,
-    check_preemption_mode,
     check_tokenizer,
 )
 
@@ -64,74 +61,7 @@ CPU_KV_CACHE_MEMORY = 1 << 30      # the CPU default pool: 1 GiB (a GPU gets a s
 GPU_KV_CACHE_FRACTION = 0.5        # of the device memory free once the weights are loaded
 
 
-# -- outputs ---------------------------------------------------------------------------------
-class CompletionOutput:
-    """One sample of a request, read live from its sequence (so streaming costs nothing per step)."""
-
-    def __init__(self, seq: Sequence, detokenizer: Detokenizer):
-        self._seq, self._detok = seq, detokenizer
-        self.index = seq.index
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._seq.output_token_ids
-
-    @property
-    def text(self) -> str:
-        return self._detok.output_text(self._seq)
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self._seq.finish_reason
-
-    def __repr__(self) -> str:
-        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
-                f"finish_reason={self.finish_reason!r})")
-
-
-class RequestOutput:
-    """A request's prompt and its n samples so far; the same object is updated as it runs."""
-
-    def __init__(self, request: Request, detokenizer: Detokenizer):
-        self._request, self._detok = request, detokenizer
-        self.request_id = request.request_id
-        self.prompt = request.prompt
-        self.prompt_token_ids = request.prompt_token_ids
-        self.metrics = request.metrics
-
-    @property
-    def outputs(self) -> list[CompletionOutput]:
-        return [CompletionOutput(s, self._detok) for s in self._request.seqs]
-
-    @property
-    def finished(self) -> bool:
-        return self._request.finished
-
-    def __repr__(self) -> str:
-        return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
-                f"outputs={self.outputs}, finished={self.finished})")
-
-
 # -- sizing ----------------------------------------------------------------------------------
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: int | float | str, param: str = "a memory size") -> int:
-    """``2 * 2**30``, ``"2GiB"``, ``"512 MB"``, ``"1.5gib"`` -> bytes. `param` names the argument in errors."""
-    must = "a positive number of bytes or a string like '2GiB' or '512MB'"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value > 0 and math.isfinite(value):
-            return int(value)
-        raise InvalidArgument(param, value, must)
-    if not isinstance(value, str):
-        raise InvalidArgumentType(param, value, must)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", value.lower())
-    if not m or float(m.group(1)) <= 0:
-        raise InvalidArgument(param, value, must)
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-
-
 def kv_pool_blocks(model, block_size: int, num_blocks: int | None, kv_cache_memory, max_num_seqs: int,
                    max_model_len: int) -> tuple[int, int]:
     """How many blocks the KV pool gets, and the bytes one block takes (K and V, every layer).
@@ -176,78 +106,68 @@ class LLMEngine:
     a subclass changes the policy through its public hooks (exercise 06 plugs a learner's policy in so).
     """
 
-    def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
-                 kv_cache_memory=None, max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 long_prefill_token_threshold: int | None = None,
-                 preemption_mode: str = "recompute", swap_space=None, watermark: float = 0.01,
-                 runner=None, verbose: bool = True, prepack_linears: bool | None = None,
-                 cpu_kernel: bool | None = None, compile: bool = False, decode_graphs: bool = False,
-                 scheduler_cls: type[Scheduler] = Scheduler):
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *, runner=None,
+                 scheduler_cls: type[Scheduler] = Scheduler, **engine_args):
+        """`config` (a `minikv.config.EngineConfig`) or its fields as keywords (``block_size=8, ...``)."""
         check_model(model)
         check_tokenizer(tokenizer)
-        check_block_size(block_size)
-        check_int("num_blocks", num_blocks, 1, "KV blocks in the pool", optional=True)
-        check_int("max_num_seqs", max_num_seqs, 1, "sequences running at once")
-        check_int("max_num_batched_tokens", max_num_batched_tokens, 1, "tokens computed per step", optional=True)
-        check_bool("enable_prefix_caching", enable_prefix_caching)
-        check_bool("enable_chunked_prefill", enable_chunked_prefill)
-        check_long_prefill_token_threshold(long_prefill_token_threshold, enable_chunked_prefill)
-        check_preemption_mode(preemption_mode)
-        for name, size in (("kv_cache_memory", kv_cache_memory), ("swap_space", swap_space)):
-            if size is not None:
-                parse_bytes(size, name)
-        check_number("watermark", watermark, 0, 1, high_open=True, what="share of the pool kept free when admitting")
+        if config is None:
+            config = EngineConfig.from_kwargs(**engine_args)
+        elif not isinstance(config, EngineConfig):
+            raise InvalidArgumentType("config", config, "None or a minikv.config.EngineConfig")
+        elif engine_args:
+            raise InvalidArgument("config", config, message=f"give config= or its fields as keywords, not both "
+                                  f"(got config and {', '.join(sorted(engine_args))})")
         if runner is not None and not isinstance(runner, Runner):
             raise InvalidArgumentType("runner", runner, "None or a model runner (execute, copy_blocks, swap_out, "
                                       "swap_in: see minikv.runner.Runner)")
-        check_bool("verbose", verbose)
-        check_bool("compile", compile)
-        check_bool("decode_graphs", decode_graphs)
-        if decode_graphs and runner is not None:
-            raise InvalidArgument("decode_graphs", decode_graphs, message=(
+        if config.decode_graphs and runner is not None:
+            raise InvalidArgument("decode_graphs", config.decode_graphs, message=(
                 "decode_graphs=True captures minikv's own ModelRunner; it cannot be combined with runner="))
         if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, Scheduler)):
             raise InvalidArgumentType("scheduler_cls", scheduler_cls, "a subclass of minikv.scheduler.Scheduler "
                                       "(override can_admit / choose_victim to change the policy)")
-        for name, lever in (("prepack_linears", prepack_linears), ("cpu_kernel", cpu_kernel)):
-            if lever is not None:
-                check_bool(name, lever)
+        self.config = c = config
         self.model, self.tokenizer = model, tokenizer
-        config = model.config
-        self.max_model_len = config.max_position_embeddings
-        eos = getattr(config, "eos_token_id", None)
+        model_config = model.config
+        self.max_model_len = model_config.max_position_embeddings
+        eos = getattr(model_config, "eos_token_id", None)
         if getattr(tokenizer, "eos_token_id", None) is not None:
             eos = tokenizer.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
-        self.vocab_size = config.vocab_size
+        self.vocab_size = model_config.vocab_size
 
+        max_num_batched_tokens = c.max_num_batched_tokens
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, self.max_model_len)
+            max_num_batched_tokens = 2048 if c.enable_chunked_prefill else max(2048, self.max_model_len)
 
         self.num_blocks, self.bytes_per_block = kv_pool_blocks(
-            model, block_size, num_blocks, kv_cache_memory, max_num_seqs, self.max_model_len)
-        self.block_size = block_size
+            model, c.block_size, c.num_blocks, c.kv_cache_memory, c.max_num_seqs, self.max_model_len)
+        self.block_size = c.block_size
         swap_blocks = 0
-        if preemption_mode == "swap":
-            swap_blocks = (self.num_blocks if swap_space is None
-                           else parse_bytes(swap_space, "swap_space") // self.bytes_per_block)
-        if verbose:
-            print(f"minikv: KV cache pool of {self.num_blocks} blocks x {block_size} tokens "
-                  f"= {self.num_blocks * block_size} tokens, {fmt_bytes(self.num_blocks * self.bytes_per_block)}")
+        if c.preemption_mode == "swap":
+            swap_blocks = (self.num_blocks if c.swap_space is None
+                           else parse_bytes(c.swap_space, "swap_space") // self.bytes_per_block)
+        if c.verbose:
+            print(f"minikv: KV cache pool of {self.num_blocks} blocks x {c.block_size} tokens "
+                  f"= {self.num_blocks * c.block_size} tokens, {fmt_bytes(self.num_blocks * self.bytes_per_block)}")
 
-        self.bm = BlockManager(self.num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.bm = BlockManager(self.num_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching)
         self.swap = SwapSpace(swap_blocks)   # where swapped-out K/V waits, beside the pool
         self.runner = runner if runner is not None else ModelRunner(
-            model, self.num_blocks, block_size, prepack_linears=prepack_linears, cpu_kernel=cpu_kernel,
-            compile=compile, decode_graphs=decode_graphs, max_num_seqs=max_num_seqs)
-        self.detokenizer = Detokenizer(tokenizer)
+            model, self.num_blocks, c.block_size, prepack_linears=c.prepack_linears, cpu_kernel=c.cpu_kernel,
+            compile=c.compile, decode_graphs=c.decode_graphs, max_num_seqs=c.max_num_seqs)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.input_processor = InputProcessor(tokenizer, EngineLimits(
+            vocab_size=self.vocab_size, max_model_len=self.max_model_len, num_blocks=self.num_blocks,
+            block_size=c.block_size, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=c.enable_chunked_prefill))
         self.device = next(model.parameters()).device
         self.scheduler = scheduler_cls(SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode,
-            watermark_blocks=max(1, int(watermark * self.num_blocks)) if watermark > 0 else 0,
-            swap_blocks=swap_blocks, long_prefill_token_threshold=long_prefill_token_threshold),
+            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=c.enable_chunked_prefill, preemption_mode=c.preemption_mode,
+            watermark_blocks=max(1, int(c.watermark * self.num_blocks)) if c.watermark > 0 else 0,
+            swap_blocks=swap_blocks, long_prefill_token_threshold=c.long_prefill_token_threshold),
             self.bm, self.swap)
         self.requests: dict[str, Request] = {}
         self.step_stats: list[StepStats] = []   # the bounded step history (see _record); read it through stats()
@@ -255,70 +175,19 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
 
     # -- requests ------------------------------------------------------------------------------
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise InvalidArgument("prompt", prompt, message="a dict prompt needs the key 'prompt_token_ids'; "
-                                      f"got keys {sorted(prompt)}")
-            try:   # a list, a tuple, an array or a tensor of integers
-                ids = [operator.index(t) for t in prompt["prompt_token_ids"]]
-            except TypeError:
-                raise InvalidArgumentType("prompt_token_ids", prompt["prompt_token_ids"],
-                                          "a list of integer token ids") from None
-            return prompt.get("prompt"), ids
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidArgument("prompt", prompt, message="a text prompt needs a tokenizer: pass tokenizer=... "
-                                      "or give token ids ({'prompt_token_ids': [...]})")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise InvalidArgumentType("prompt", prompt, "a str, a list of token ids or {'prompt_token_ids': [...]}")
-
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        """Queue one request; every check happens here, so a bad request never reaches the batch."""
+        """Queue one request; it passes the input processor first, so a bad request never reaches the batch."""
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgumentType("params", params, "a SamplingParams")
         if request_id in self.requests:
             raise InvalidArgument("request_id", request_id, message=f"request id {request_id!r} is already in use; "
                                   "give each request its own id")
-        text, ids = self._tokenize(prompt)
-        if not ids:
-            raise InvalidArgument("prompt", prompt, message="empty prompt: give at least one token (a text prompt "
-                                  "must tokenize to something)")
-        if not all(0 <= t < self.vocab_size for t in ids):
-            raise InvalidArgument("prompt", prompt, message=f"prompt token ids must lie in [0, {self.vocab_size}) "
-                                  "(the model's vocabulary)")
-        if len(ids) > self.max_model_len:
-            raise InvalidArgument("prompt", prompt, message=f"prompt of {len(ids)} tokens is longer than the model's "
-                                  f"context of {self.max_model_len} tokens (max_position_embeddings); shorten it")
-        if params.stop and self.tokenizer is None:
-            raise InvalidArgument("stop", params.stop, message="stop strings need a tokenizer to detokenize; use "
-                                  "stop_token_ids instead")
-        cfg = self.scheduler.config
-        if params.n > cfg.max_num_seqs:
-            raise InvalidArgument("n", params.n, message=f"n={params.n} samples cannot run together with "
-                                  f"max_num_seqs={cfg.max_num_seqs}; lower n or raise max_num_seqs")
-        # The most K/V one sequence ever holds: every token but the last one sampled.
-        longest = min(len(ids) + params.max_tokens - 1, self.max_model_len)
-        need = blocks_for(longest, self.block_size)
-        if need > self.num_blocks:
-            raise InvalidArgument("max_tokens", params.max_tokens, message=(
-                f"request {request_id!r} cannot fit even alone: {len(ids)} prompt + {params.max_tokens} max_tokens "
-                f"need up to {need} blocks of {self.block_size} tokens, but the pool has {self.num_blocks}; give "
-                "the cache more memory or lower max_tokens"))
-        if not cfg.enable_chunked_prefill and longest > cfg.max_num_batched_tokens:
-            raise InvalidArgument("max_tokens", params.max_tokens, message=(
-                f"without chunked prefill a sequence of up to {longest} tokens must fit in one step, but "
-                f"max_num_batched_tokens={cfg.max_num_batched_tokens}; raise it or enable chunked prefill"))
-        req = Request(request_id, text, ids, params,
+        checked = self.input_processor.process(prompt, params)
+        req = Request(request_id, checked.text, checked.token_ids, params,
                       RequestMetrics(arrival_time if arrival_time is not None else time.perf_counter()))
-        seq = Sequence(req, 0, list(ids), generator=make_generator(params.seed, self.device))
-        self.detokenizer.start(seq)
+        seq = Sequence(req, 0, list(checked.token_ids), generator=make_generator(params.seed, self.device))
         req.seqs.append(seq)
-        req.output = RequestOutput(req, self.detokenizer)
+        self.output_processor.add(req)
         self.requests[request_id] = req
         self.scheduler.add(seq)
 
@@ -332,7 +201,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
         self.scheduler.remove_finished()
         req.metrics.finished_time = time.perf_counter()
-        self._aborted.append(req.output)
+        self._aborted.append(self.output_processor.emit(req))
         return req.output
 
     def has_unfinished_requests(self) -> bool:
@@ -420,7 +289,7 @@ class LLMEngine:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
         self._record(batch, t0, now)
-        return [req.output for req in touched.values()]
+        return [self.output_processor.emit(req) for req in touched.values()]
 
     def _sample(self, batch: SchedulerOutput, logits: torch.Tensor) -> tuple[list[Sequence], list[int]]:
         """One token for each sequence whose chunk reached its newest token.
@@ -461,7 +330,6 @@ class LLMEngine:
             child = Sequence(req, i, list(seq.token_ids),
                              generator=make_generator(None if req.params.seed is None else req.params.seed + i,
                                                       self.device))
-            self.detokenizer.start(child)
             self.scheduler.fork(seq, child)
             req.seqs.append(child)
             family.append(child)
@@ -477,15 +345,13 @@ class LLMEngine:
         if m.first_token_time is None:
             m.first_token_time = now
         p = seq.request.params
-        reason, stop_string = None, bool(p.stop) and self.detokenizer.step(seq)
+        reason, stop_string = None, self.output_processor.append(seq, tok)
         if stop_string or (tok in self.eos_token_ids and not p.ignore_eos) or (
                 p.stop_token_ids and tok in p.stop_token_ids):
             reason = "stop"
         elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             reason = "length"
         if reason is not None:
-            if p.stop and not stop_string:
-                self.detokenizer.flush(seq)   # the text's last characters may still be pending
             self.scheduler.finish(seq, reason)
 
 
@@ -494,8 +360,9 @@ class LLM:
 
     `model` is a loaded ``transformers`` causal LM (give its `tokenizer` for text prompts) or a
     name for `minikv.models.load_model` ("smollm2-135m", "tiny-random-llama", or a Hub id). The
-    other arguments are `LLMEngine`'s (pool size, budgets, prefix caching, chunked prefill,
-    preemption mode, swap space).
+    other arguments are `LLMEngine`'s: `runner`, and the fields of `minikv.config.EngineConfig`
+    (pool size, budgets, prefix caching, chunked prefill, preemption mode, swap space) as keywords
+    or as one ``config=EngineConfig(...)``.
     """
 
     def __init__(self, model, tokenizer=None, **engine_args):
@@ -556,14 +423,11 @@ class LLM:
 
     def chat(self, conversations, sampling_params=None, use_tqdm: bool = True, **template_kwargs):
         """Apply the tokenizer's chat template to each conversation (a list of {"role", "content"})."""
-        if self.tokenizer is None:
-            raise InvalidArgument("tokenizer", None, message="chat needs a tokenizer with a chat template: "
-                                  "pass tokenizer=...")
+        inputs = self.engine.input_processor
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         prompts = []
         for c in conversations:
-            text = self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False, **template_kwargs)
-            # the template already wrote any special tokens it wants: do not add them again
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+            chat = inputs.chat(c, **template_kwargs)
+            prompts.append({"prompt": chat.text, "prompt_token_ids": chat.token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -52,10 +52,6 @@ class Sequence:
     num_computed: int = 0                    # tokens whose K/V are in the cache (= bm.num_tokens)
     finish_reason: str | None = None         # "stop" | "length" | "abort"
     generator: torch.Generator | None = None  # this sample's own RNG when the request has a seed
-    text: str = ""                           # detokenized output (stop string excluded)
-    # incremental detokenization state (see minikv.detokenizer.Detokenizer)
-    prefix_offset: int = 0
-    read_offset: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

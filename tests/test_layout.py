@@ -15,7 +15,7 @@ TOO_LONG_FOR_NOW: set[str] = set()
 # The stages' modules (README's stage table) and the subpackages named for their audience.
 STAGE_MODULES = {"sizing", "contiguous", "blocks", "paged", "attention", "dispatch", "prefix", "sequence",
                  "sampling", "detokenizer", "scheduler", "runner", "engine", "metrics", "models", "demo",
-                 "validation"}
+                 "validation", "inputs", "outputs", "config"}
 SUBPACKAGES = {"bench", "grading", "sim", "viz", "server", "speed"}
 
 

@@ -168,6 +168,7 @@ LLM_BAD = [  # (argument, bad value, words)
     ("compile", "yes", "compile must be True or False"),
     ("decode_graphs", 1, "decode_graphs must be True or False"),
     ("scheduler_cls", object, "scheduler_cls must be a subclass of minikv.scheduler.Scheduler"),
+    ("config", "fast", "config must be None or a minikv.config.EngineConfig"),
 ]
 
 
@@ -192,10 +193,48 @@ def test_prefill_cap_without_chunked_prefill_is_refused_with_the_fix():
 
 
 def test_every_llm_argument_is_covered():
+    from dataclasses import fields
+
+    from minikv.config import EngineConfig
     from minikv.engine import LLMEngine
 
-    args = set(inspect.signature(LLMEngine).parameters)
+    args = set(inspect.signature(LLMEngine).parameters) - {"engine_args"} | {f.name for f in fields(EngineConfig)}
     assert args == {a for a, *_ in LLM_BAD}
+
+
+def test_an_unknown_engine_argument_is_named_with_the_known_ones():
+    with pytest.raises(TypeError, match="unknown engine argument.*blocksize.*block_size"):
+        LLM(MODEL, verbose=False, num_blocks=8, blocksize=8)
+
+
+def test_config_or_keywords_build_the_same_engine():
+    from minikv.config import EngineConfig
+
+    a = LLM(MODEL, verbose=False, num_blocks=8, block_size=4, max_num_seqs=3)
+    b = LLM(MODEL, config=EngineConfig(verbose=False, num_blocks=8, block_size=4, max_num_seqs=3))
+    assert a.engine.config == b.engine.config and b.engine.num_blocks == 8 and b.engine.block_size == 4
+    with pytest.raises(InvalidArgument, match="not both") as err:
+        LLM(MODEL, config=EngineConfig(verbose=False), num_blocks=8)
+    assert err.value.param == "config"
+
+
+def test_the_command_line_flags_build_the_same_config():
+    import argparse
+
+    from minikv.config import EngineConfig, add_engine_args, engine_flags
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    argv = ["--block-size", "8", "--num-blocks", "48", "--no-enable-prefix-caching", "--preemption-mode", "swap",
+            "--watermark", "0.05", "--kv-cache-memory", "1MiB"]
+    args = p.parse_args(argv)
+    config = EngineConfig.from_cli_args(args)
+    assert config == EngineConfig(block_size=8, num_blocks=48, enable_prefix_caching=False, preemption_mode="swap",
+                                  watermark=0.05, kv_cache_memory="1MiB")
+    assert EngineConfig.from_cli_args(p.parse_args(engine_flags(args))) == config   # bench serve -> serve
+    assert EngineConfig.from_cli_args(p.parse_args([])) == EngineConfig()
+    with pytest.raises(InvalidArgument, match="block_size must be an integer >= 1"):
+        EngineConfig.from_cli_args(p.parse_args(["--block-size", "0"]))
 
 
 @pytest.mark.parametrize("call, param, words", [

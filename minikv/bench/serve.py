@@ -41,6 +41,8 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from minikv.config import add_engine_args, engine_flags
+
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 POLLED = {  # /metrics name -> our column
     "minikv:num_requests_running": "running", "minikv:num_requests_waiting": "waiting",
@@ -423,14 +425,9 @@ def parse_args(argv):
     v.add_argument("--vllm-wait", type=float, default=600, help="seconds to wait for vLLM's start (default 600)")
     s = p.add_argument_group("the server it starts (without --url)")
     s.add_argument("--model", default="smollm2-135m")
-    s.add_argument("--num-blocks", type=int)
-    s.add_argument("--kv-cache-memory")
-    s.add_argument("--block-size", type=int)
-    s.add_argument("--max-num-seqs", type=int)
     s.add_argument("--max-waiting", type=int)
-    s.add_argument("--preemption-mode", choices=("recompute", "swap"))
     s.add_argument("--threads", type=int, help="torch CPU threads of the server (1 on a busy machine)")
-    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    add_engine_args(s)   # the engine's own flags, as `minikv serve` takes them
     args = p.parse_args(argv)
     if args.num_requests < 1 or args.num_requests > 10_000:
         raise ValueError(f"--num-requests must be in [1, 10000], got {args.num_requests}")
@@ -447,13 +444,10 @@ def parse_args(argv):
 
 def server_flags(args) -> list[str]:
     flags = ["--model", args.model]
-    for name in ("num_blocks", "kv_cache_memory", "block_size", "max_num_seqs", "max_waiting", "preemption_mode",
-                 "threads"):
+    for name in ("max_waiting", "threads"):
         if getattr(args, name) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    if args.enable_prefix_caching is not None:
-        flags.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
-    return flags
+    return flags + engine_flags(args)
 
 
 def cli(argv: list[str]) -> int:

@@ -5,9 +5,9 @@ The pieces, one idea each, in the order a request meets them:
 * `cli`: the flags, loading the model, sizing the pool, starting uvicorn and stopping on SIGTERM;
 * `app`: the FastAPI routes (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`,
   `/metrics`), API-key check, body-size limit, back-pressure (429) and disconnects;
-* `protocol`: the request bodies (pydantic), their validation, and OpenAI's error body;
+* `protocol`: parsing the request bodies (pydantic) and OpenAI's error body (the values are
+  checked by the engine's own door, `minikv.inputs`, and by `SamplingParams`);
 * `responses`: the JSON a client gets back, whole or as server-sent-event chunks;
-* `detok`: turning a stream of token ids into a stream of text that concatenates exactly;
 * `engine_loop`: the one thread that steps the engine, and how handlers hand it work;
 * `metrics`: Prometheus metrics under vLLM's names with the `minikv:` prefix;
 * `tokenizer`: a byte-level tokenizer for the tiny random test model (which ships none).

@@ -36,6 +36,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+from minikv.inputs import blocks_at_most
+
 log = logging.getLogger("minikv.server")
 DECISIONS = ("admit", "queue", "refuse")
 HARD_LIMIT = 1024   # held requests, whatever the policy says: a queue is never unbounded
@@ -71,9 +73,8 @@ def normalize(answer, who: str = "decide") -> tuple[str, str]:
 
 def request_info(prompt_tokens: int, max_tokens: int, block_size: int, waited_s: float = 0.0,
                  held: bool = False) -> dict:
-    at_most = prompt_tokens + max_tokens - 1
     return {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "waited_s": waited_s, "held": held,
-            "blocks_at_most": -(-at_most // block_size)}
+            "blocks_at_most": blocks_at_most(prompt_tokens, max_tokens, block_size)}
 
 
 def engine_state(engine, now_s: float, held: int, queued: int, step_s: float) -> dict:
@@ -93,7 +94,7 @@ class Gate:
 
     def __init__(self, policy: BackPressurePolicy, block_size: int):
         self.policy, self.block_size = policy, block_size
-        self.held: deque = deque()     # (request_id, arrival perf_counter, prompt tokens, max_tokens, item)
+        self.held: deque = deque()     # the engine loop's held `Add`s: request_id, arrival, prompt_tokens, params
         self.view: dict = {}
         self.t0 = time.perf_counter()
         self._lock = threading.Lock()  # a policy is asked from two threads: one question at a time
@@ -118,19 +119,20 @@ class Gate:
     def release(self, engine, queued: int, step_s: float, admit, refuse) -> None:
         """Ask about each held request, oldest first, until the policy says "queue"."""
         while self.held:
-            rid, arrival, n_prompt, n_max, item = self.held[0]
+            add = self.held[0]
             self.snapshot(engine, queued, step_s)
-            info = request_info(n_prompt, n_max, self.block_size, time.perf_counter() - arrival, held=True)
+            info = request_info(add.prompt_tokens, add.params.max_tokens, self.block_size,
+                                time.perf_counter() - add.arrival, held=True)
             decision, reason = self._ask(info, self.view)
             if decision == "queue":
                 return
             self.held.popleft()
-            admit(item) if decision == "admit" else refuse(item, reason)
+            admit(add) if decision == "admit" else refuse(add, reason)
 
     def drop(self, request_id: str):
-        """Take a held request out (its client went away); returns its inbox item or None."""
-        for entry in self.held:
-            if entry[0] == request_id:
-                self.held.remove(entry)
-                return entry[4]
+        """Take a held request out (its client went away); returns its `Add` or None."""
+        for add in self.held:
+            if add.request_id == request_id:
+                self.held.remove(add)
+                return add
         return None

@@ -1,7 +1,8 @@
 """The HTTP routes: OpenAI's completions and chat completions, models, health and metrics.
 
 A request's path through a handler: API key -> body (size-limited) -> `protocol.parse` -> model
-name -> tokenize (the chat template for chat) -> `protocol.check_fits` -> `EngineLoop.submit`
+name -> the engine's input processor (`minikv.inputs`: tokenize or chat template, `SamplingParams`,
+context / pool / seats) -> `EngineLoop.submit`
 (or 429 when ``max_waiting`` requests already wait) -> await the request's outbox, sending each
 update as server-sent-event chunks or collecting it into one response. If the client goes away
 before its request finishes, the handler aborts it; the engine frees its blocks within a step.
@@ -20,10 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minikv.server.detok import IncrementalText
-from minikv.server.engine_loop import Delta, EngineLoop, ServerClosing, Update
-from minikv.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_fits, parse
+from minikv.server.engine_loop import EngineLoop, ServerClosing, Update
+from minikv.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 from minikv.server.responses import Choice, Envelope, extra, sse, usage
+from minikv.validation import InvalidArgument
 
 log = logging.getLogger("minikv.server")
 
@@ -37,7 +38,6 @@ class ServerState:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     metrics: object = None                # ServerMetrics
-    max_num_seqs: int = 64                # the engine's seat limit: n above it can never run
 
     @property
     def engine(self):
@@ -111,24 +111,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def _tokenize(req, state: ServerState) -> tuple[str | None, list[int]]:
-    tok, engine = state.tokenizer, state.engine
-    if isinstance(req, ChatCompletionRequest):
-        conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            text = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        except Exception as err:  # a template may refuse a conversation (e.g. roles out of order)
-            raise APIError(400, f"the chat template refused these messages: {err}", "messages") from None
-        # the template wrote any special tokens it wants: do not add them again (as LLM.chat does)
-        return text, tok.encode(text, add_special_tokens=False)
-    if isinstance(req.prompt, str):
-        return req.prompt, tok.encode(req.prompt)
-    if not all(0 <= t < engine.vocab_size for t in req.prompt):
-        raise APIError(400, f"prompt token ids must lie in [0, {engine.vocab_size}) (the model's vocabulary)",
-                       "prompt")
-    return None, list(req.prompt)
-
-
 async def _serve(request: Request, state: ServerState, kind, request_id: str):
     arrival = time.perf_counter()
     _check_key(request, state)
@@ -136,16 +118,20 @@ async def _serve(request: Request, state: ServerState, kind, request_id: str):
     if req.model is not None and req.model != state.model_name:
         raise APIError(404, f"the model {req.model!r} does not exist here; this server serves "
                             f"{state.model_name!r} (GET /v1/models lists it)", "model")
-    text, ids = _tokenize(req, state)
-    engine = state.engine
-    param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-    max_tokens = check_fits(len(ids), req.requested_max_tokens, context=engine.max_model_len,
-                            num_blocks=engine.num_blocks, block_size=engine.block_size, param=param)
-    seats = state.max_num_seqs
-    if req.n > seats:
-        raise APIError(400, f"n={req.n} samples cannot run together: the server runs at most {seats} sequences "
-                            f"at once (--max-num-seqs); lower n", "n")
-    params = req.sampling_params(max_tokens)
+    inputs = state.engine.input_processor   # the engine's own door: the same rules as LLM.generate
+    chat = isinstance(req, ChatCompletionRequest)
+    try:
+        if chat:
+            prompt = inputs.chat([{"role": m.role, "content": m.text()} for m in req.messages])
+        else:
+            prompt = inputs.tokenize(req.prompt)
+        requested = req.requested_max_tokens
+        params = req.sampling_params(requested if requested is not None
+                                     else inputs.default_max_tokens(len(prompt.token_ids)))
+        inputs.check(prompt, params, param="messages" if chat else "prompt", refuse_past_context=True)
+    except InvalidArgument as err:   # the client's input: a 400 naming the field, never a 500
+        raise APIError(400, str(err), req.field_name(err.param)) from None
+    text, ids = prompt.text, prompt.token_ids
     try:
         outbox = state.loop.submit(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
                                    max_queued=state.max_waiting, arrival_time=arrival)
@@ -157,23 +143,13 @@ async def _serve(request: Request, state: ServerState, kind, request_id: str):
     except ServerClosing:
         raise APIError(503, "the server is shutting down; send the request to another server or retry later") \
             from None
-    hold = max((len(s) for s in params.stop), default=1) - 1 if params.stop else 0
-    choices = [Choice(i, None if params.stop else IncrementalText(state.tokenizer, ids), hold)
-               for i in range(params.n)]
+    choices = [Choice(i) for i in range(params.n)]
     env = Envelope(request_id, state.model_name, chat=isinstance(req, ChatCompletionRequest),
                    prompt_token_ids=ids)
     if req.stream:
         return StreamingResponse(_stream(state, request_id, outbox, env, choices, req, len(ids)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return await _collect(request, state, request_id, outbox, env, choices, req, len(ids))
-
-
-def _finish_missing(choices: list[Choice], update: Update) -> None:
-    """An aborted request may never have forked into its n samples: they end too, as aborted."""
-    if update.finished:
-        present = {d.index for d in update.deltas}
-        update.deltas += [Delta(c.index, [], None, "abort") for c in choices
-                          if c.finish_reason is None and c.index not in present]
 
 
 async def _stream(state, request_id, outbox, env: Envelope, choices, req, prompt_len):
@@ -189,13 +165,12 @@ async def _stream(state, request_id, outbox, env: Envelope, choices, req, prompt
             if update.error:
                 yield sse(APIError(update.error_status, update.error).body())
                 break
-            _finish_missing(choices, update)
             chunks = []
             for d in update.deltas:
                 c = choices[d.index]
-                text = c.apply(d.token_ids, d.text, d.finish_reason)
-                if text or d.finish_reason or (req.return_token_ids and d.token_ids):
-                    chunks.append(env.chunk(c, text, d.finish_reason, d.token_ids if req.return_token_ids else None))
+                c.add(d)
+                if d.text or d.finish_reason or (req.return_token_ids and d.token_ids):
+                    chunks.append(env.chunk(c, d.text, d.finish_reason, d.token_ids if req.return_token_ids else None))
             if finished:
                 info = update.info
                 if chunks and not req.include_usage:
@@ -217,9 +192,8 @@ async def _collect(request: Request, state, request_id, outbox, env: Envelope, c
             if update.error:
                 raise APIError(update.error_status, update.error,
                                headers={"Retry-After": "1"} if update.error_status == 429 else None)
-            _finish_missing(choices, update)
             for d in update.deltas:
-                choices[d.index].apply(d.token_ids, d.text, d.finish_reason)
+                choices[d.index].add(d)
             if update.finished:
                 return update
 

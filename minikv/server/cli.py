@@ -17,6 +17,8 @@ import os
 import sys
 import threading
 
+from minikv.config import EngineConfig, add_engine_args
+
 SERVE_HELP = "serve the model over vLLM's OpenAI-compatible HTTP API (FastAPI + uvicorn)"
 
 
@@ -25,15 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory)")
-    p.add_argument("--kv-cache-memory", default=None, help="KV pool size in bytes or like '256MiB' "
-                                                           "(default: 1 GiB on the CPU, capped by --max-num-seqs)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one batch at most (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most (default 2048)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share the KV blocks of repeated prompt prefixes (default on)")
-    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
+    add_engine_args(p.add_argument_group("the engine (minikv.config.EngineConfig; LLM(...) takes the same names)"))
     p.add_argument("--max-waiting", type=int, default=128,
                    help="requests accepted but not yet started at most; past it 429 + Retry-After (default 128)")
     p.add_argument("--api-key", default=os.environ.get("MINIKV_API_KEY"),
@@ -89,6 +83,7 @@ def run_server(args) -> int:
     for flag in ("port", "max_waiting", "max_request_bytes"):
         if getattr(args, flag) < (0 if flag == "port" else 1):
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    config = EngineConfig.from_cli_args(args, verbose=False)   # a bad engine flag fails before the model loads
     if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
@@ -96,24 +91,20 @@ def run_server(args) -> int:
     if tokenizer is None and ALIASES.get(args.model, args.model) == TINY:
         from minikv.server.tokenizer import byte_tokenizer
         tokenizer = byte_tokenizer()   # so the tiny test model reads text and chat too
-    engine = LLMEngine(model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
-                       kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
-                       verbose=False)
+    engine = LLMEngine(model, tokenizer, config)
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     loop = EngineLoop(engine, metrics)
     state = ServerState(loop, tokenizer, name, max_waiting=args.max_waiting, api_key=args.api_key,
-                        max_body_bytes=args.max_request_bytes, metrics=metrics, max_num_seqs=args.max_num_seqs)
+                        max_body_bytes=args.max_request_bytes, metrics=metrics)
     metrics.after_step(engine, live=False, stepped=False)
     loop.start()
     pool = engine.num_blocks * engine.block_size
     print(f"minikv serve: http://{args.host}:{args.port}/v1  model {name!r} ({engine.device}, context "
           f"{engine.max_model_len})\n  KV pool: {engine.num_blocks} blocks x {engine.block_size} tokens = {pool} "
           f"tokens, {fmt_bytes(engine.num_blocks * engine.bytes_per_block)}; prefix caching "
-          f"{'on' if args.enable_prefix_caching else 'off'}, preemption {args.preemption_mode}, "
-          f"max {args.max_num_seqs} seqs, max {args.max_waiting} waiting"
+          f"{'on' if config.enable_prefix_caching else 'off'}, preemption {config.preemption_mode}, "
+          f"max {config.max_num_seqs} seqs, max {args.max_waiting} waiting"
           f"{'; API key required' if args.api_key else ''}", flush=True)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=5, lifespan="off")

@@ -3,18 +3,18 @@
 Two sides, and what crosses between them:
 
 * **Handlers** run on uvicorn's asyncio event loop. `submit()` tokenizes nothing and computes
-  nothing: it puts ``("add", ...)`` on the *inbox* (a thread-safe `queue.Queue`) and returns an
-  `asyncio.Queue`, the request's *outbox*, which the handler awaits. `abort()` puts
-  ``("abort", id)`` on the inbox. Neither waits for the engine.
+  nothing: it puts an `Add` on the *inbox* (a thread-safe `queue.Queue`) and returns an
+  `asyncio.Queue`, the request's *outbox*, which the handler awaits. `abort()` puts an `Abort`
+  on the inbox. Neither waits for the engine.
 * **The engine thread** owns the `LLMEngine`; nothing else touches it. Each turn it drains the
   inbox (`add_request` / `abort_request`), runs one `engine.step()` if any request is live, and
-  posts each changed request's new tokens to its outbox with ``loop.call_soon_threadsafe`` (which
-  only schedules a `put_nowait` on the event loop: it never waits). With nothing live it sleeps
-  on the inbox, so an idle server burns no CPU.
+  posts each changed request's deltas (`minikv.outputs`: new ids, new text) to its outbox with
+  ``loop.call_soon_threadsafe`` (which only schedules a `put_nowait` on the event loop: it never
+  waits). With nothing live it sleeps on the inbox, so an idle server burns no CPU.
 
 Why nothing blocks a model forward: the forward runs in the engine thread, which never waits on
 the event loop, and the handlers never wait on the engine (torch releases the GIL inside its
-kernels, so the event loop keeps parsing, detokenizing and writing chunks while a forward runs).
+kernels, so the event loop keeps parsing requests and writing chunks while a forward runs).
 A request that arrives mid-step waits in the inbox until that step ends and joins the batch at
 the next `schedule()`: continuous batching, seen from outside. A client that disconnects is
 aborted at the start of the next turn, i.e. within one step, and `abort_request` frees its blocks.
@@ -28,24 +28,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from minikv.outputs import SampleDelta
 from minikv.sampling import SamplingParams
 from minikv.server.admission import Gate
 
 
 @dataclass
-class Delta:
-    """What one sample gained in one step: new token ids, its text so far (stop-string requests
-    only: the engine cuts their text), and a finish reason once it has one."""
-    index: int
-    token_ids: list[int]
-    text: str | None = None
-    finish_reason: str | None = None
-
-
-@dataclass
 class Update:
-    """One post to a request's outbox. `info` is set on its last update: usage and per-request metrics."""
-    deltas: list[Delta] = field(default_factory=list)
+    """One post to a request's outbox: the step's deltas (`minikv.outputs.SampleDelta`: new ids, new
+    text, a finish reason). `info` is set on its last update: usage and per-request metrics."""
+    deltas: list[SampleDelta] = field(default_factory=list)
     finished: bool = False
     info: dict | None = None
     error: str | None = None
@@ -59,16 +51,41 @@ class ServerClosing(RuntimeError):
 
 @dataclass
 class _Live:
+    """A request the engine thread knows of, from its `submit` to its last update."""
     outbox: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    stop: bool                                  # has stop strings: stream the engine's (cut) text
-    sent: dict[int, int] = field(default_factory=dict)   # sample index -> tokens posted
-    done: set = field(default_factory=set)      # sample indices whose finish was posted
-    started: bool = False                       # its first token arrived (it no longer counts as queued)
+    queued: bool = True                         # accepted, no first token yet: it counts in num_queued
     itl_seen: int = 0                           # token_times already observed by the ITL histogram
 
     def post(self, update: Update) -> None:
         self.loop.call_soon_threadsafe(self.outbox.put_nowait, update)
+
+
+# -- what crosses the inbox, handler side -> engine thread ----------------------------------------------
+@dataclass
+class Add:
+    """A validated request for the engine (`hold`: admission asked the server to keep it back for now)."""
+    request_id: str
+    prompt: dict                                # {"prompt": text or None, "prompt_token_ids": [...]}
+    params: SamplingParams
+    arrival: float                              # perf_counter when the handler got it
+    live: _Live
+    hold: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt["prompt_token_ids"])
+
+
+@dataclass
+class Abort:
+    """The client went away: abort the request wherever it is (held, queued or running)."""
+    request_id: str
+
+
+@dataclass
+class Drain:
+    """The server is stopping: refuse the held requests, abort the live ones, end the thread."""
 
 
 class EngineLoop:
@@ -109,19 +126,19 @@ class EngineLoop:
                 raise OverflowError(self.num_queued)
             self.num_queued += 1
         outbox: asyncio.Queue = asyncio.Queue()
-        live = _Live(outbox, asyncio.get_running_loop(), bool(params.stop))
-        item = ("add", request_id, prompt, params, arrival_time or time.perf_counter(), live)
-        self.inbox.put(("hold", item) if kind == "queue" else item)
+        live = _Live(outbox, asyncio.get_running_loop())
+        self.inbox.put(Add(request_id, prompt, params, arrival_time or time.perf_counter(), live,
+                           hold=kind == "queue"))
         return outbox
 
     def abort(self, request_id: str) -> None:
-        self.inbox.put(("abort", request_id))
+        self.inbox.put(Abort(request_id))
 
     def shutdown(self) -> None:
         """Stop accepting; the engine thread aborts what is in flight (each gets finish_reason "abort") and exits."""
         with self._lock:
             self.accepting = False
-        self.inbox.put(("drain",))
+        self.inbox.put(Drain())
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
@@ -131,6 +148,13 @@ class EngineLoop:
         return self._thread.is_alive()
 
     # -- the engine side (its own thread) ------------------------------------------------------------------
+    def _settle(self, live: _Live) -> None:
+        """The one place a request stops counting as queued: its first token, its end, or its refusal."""
+        if live.queued:
+            live.queued = False
+            with self._lock:
+                self.num_queued -= 1
+
     def _run(self) -> None:
         try:
             while True:
@@ -138,8 +162,7 @@ class EngineLoop:
                 if not self._drain_inbox(block=not self._live and not (gate and gate.held)):
                     return
                 if gate is not None and gate.held:
-                    gate.release(self.engine, self.num_queued, self._step_s, lambda item: self._add(*item[1:]),
-                                 self._refuse_held)
+                    gate.release(self.engine, self.num_queued, self._step_s, self._add, self._refuse_held)
                     if not self._live:
                         time.sleep(0.01)   # held requests and an idle engine: ask again in a moment
                 if self._live:
@@ -159,23 +182,20 @@ class EngineLoop:
 
     def _fail_all(self, why: str) -> None:
         """The engine thread is dying: every request it knows of, live, held or still in the inbox, hears `why`."""
-        def failed() -> Update:
-            return Update(finished=True, error=why, error_status=500)
-
         for rid, live in list(self._live.items()):
             try:
-                self._end(rid, "abort", error=why)
+                self._end(rid, error=why)
             except Exception:   # too broken even to abort: the client still gets its answer
-                live.post(failed())
+                live.post(Update(finished=True, error=why, error_status=500))
         while self.gate is not None and self.gate.held:
-            self._refuse_held(self.gate.held.popleft()[4], why, 500)
+            self._refuse_held(self.gate.held.popleft(), why, 500)
         while True:
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            if item[0] in ("add", "hold"):
-                (item if item[0] == "add" else item[1])[5].post(failed())
+            if isinstance(item, Add):
+                self._refuse_held(item, why, 500)
 
     def _drain_inbox(self, block: bool) -> bool:
         """Apply every queued add/abort; False once a drain asked the thread to stop."""
@@ -187,45 +207,41 @@ class EngineLoop:
                     continue
                 return True
             block = False
-            kind = item[0]
-            if kind == "add":
-                self._add(*item[1:])
-            elif kind == "hold":
-                add = item[1]
-                self.gate.held.append((add[1], add[4], len(add[2]["prompt_token_ids"]), add[3].max_tokens, add))
-            elif kind == "abort" and self.gate is not None and self.gate.drop(item[1]) is not None:
-                with self._lock:
-                    self.num_queued -= 1
-            elif kind == "abort":
-                live = self._live.pop(item[1], None)
-                if live is not None and not live.started:
-                    with self._lock:
-                        self.num_queued -= 1
-                self.engine.abort_request(item[1])
+            if isinstance(item, Add) and item.hold:
+                self.gate.held.append(item)
+            elif isinstance(item, Add):
+                self._add(item)
+            elif isinstance(item, Abort):
+                held = self.gate.drop(item.request_id) if self.gate is not None else None
+                if held is not None:
+                    self._settle(held.live)
+                    continue
+                live = self._live.pop(item.request_id, None)
+                if live is not None:
+                    self._settle(live)
+                self.engine.abort_request(item.request_id)
                 if self.metrics is not None:
                     self.metrics.after_step(self.engine, bool(self._live), stepped=False)
-            elif kind == "drain":
+            elif isinstance(item, Drain):
                 while self.gate is not None and self.gate.held:
-                    self._refuse_held(self.gate.held.popleft()[4], "the server is shutting down", 503)
+                    self._refuse_held(self.gate.held.popleft(), "the server is shutting down", 503)
                 for rid in list(self._live):
-                    self._end(rid, "abort")
+                    self._end(rid)
                 return False
 
-    def _add(self, request_id, prompt, params, arrival, live: _Live) -> None:
+    def _add(self, add: Add) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+            self.engine.add_request(add.request_id, add.prompt, add.params, arrival_time=add.arrival)
         except ValueError as err:   # the handler checked first; this is the engine's own word
-            with self._lock:
-                self.num_queued -= 1
-            live.post(Update(finished=True, error=str(err)))
+            self._refuse_held(add, str(err), 400)
             return
         except Exception as err:   # a bug in the engine: this client hears it too, then the loop fails
-            live.post(Update(finished=True, error=f"the engine failed ({type(err).__name__}: {err}); the server "
-                                                  "log has the details", error_status=500))
+            self._refuse_held(add, f"the engine failed ({type(err).__name__}: {err}); the server log has the "
+                                   "details", 500)
             raise
-        self._live[request_id] = live
+        self._live[add.request_id] = add.live
         if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(len(prompt["prompt_token_ids"]))
+            self.metrics.prompt_tokens.inc(add.prompt_tokens)
 
     def _post(self, outputs) -> None:
         now = time.perf_counter()
@@ -233,55 +249,33 @@ class EngineLoop:
             live = self._live.get(out.request_id)
             if live is None:   # aborted by us already
                 continue
-            update = Update()
-            new_tokens = 0
-            for c in out.outputs:
-                ids = c.token_ids
-                start = live.sent.get(c.index, 0)
-                reason = c.finish_reason if c.index not in live.done else None
-                if len(ids) > start or reason:
-                    update.deltas.append(Delta(c.index, list(ids[start:]), c.text if live.stop else None, reason))
-                    new_tokens += len(ids) - start
-                    live.sent[c.index] = len(ids)
-                    if reason:
-                        live.done.add(c.index)
-            if new_tokens and not live.started:
-                live.started = True
-                with self._lock:
-                    self.num_queued -= 1
+            new_tokens = sum(len(d.token_ids) for d in out.deltas)
+            if new_tokens or out.finished:
+                self._settle(live)
             if self.metrics is not None:
                 live.itl_seen = self.metrics.after_tokens(out.metrics, new_tokens, live.itl_seen)
+            update = Update(list(out.deltas))
             if out.finished:
                 update.finished = True
                 update.info = self._info(out, now)
                 del self._live[out.request_id]
-                if not live.started:
-                    with self._lock:
-                        self.num_queued -= 1
                 if self.metrics is not None:
                     self.metrics.after_finish(out.metrics, now)
             live.post(update)
 
-    def _refuse_held(self, item: tuple, reason: str, status: int = 429) -> None:
-        """A held request refused after all (by the policy, or at shutdown): its client gets `status`."""
-        with self._lock:
-            self.num_queued -= 1
-        item[5].post(Update(finished=True, error=reason, error_status=status))
+    def _refuse_held(self, add: Add, reason: str, status: int = 429) -> None:
+        """A request that never ran is answered `status`: refused by the policy, at shutdown, or by the engine."""
+        self._settle(add.live)
+        add.live.post(Update(finished=True, error=reason, error_status=status))
 
-    def _end(self, request_id: str, reason: str, error: str | None = None) -> None:
-        """Abort a live request and tell its client so, with a finish reason for every unfinished sample."""
+    def _end(self, request_id: str, error: str | None = None) -> None:
+        """Abort a live request and tell its client so: every unfinished sample ends with "abort"."""
         live = self._live.pop(request_id)
         out = self.engine.abort_request(request_id)
-        if not live.started:
-            with self._lock:
-                self.num_queued -= 1
+        self._settle(live)
         update = Update(finished=True, error=error, error_status=500)
         if out is not None:
-            for c in out.outputs:
-                if c.index not in live.done:
-                    ids = c.token_ids
-                    update.deltas.append(Delta(c.index, list(ids[live.sent.get(c.index, 0):]),
-                                               c.text if live.stop else None, reason))
+            update.deltas = list(out.deltas)
             update.info = self._info(out, time.perf_counter())
         live.post(update)
 

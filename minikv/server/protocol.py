@@ -1,9 +1,12 @@
 """The request bodies the server accepts (OpenAI's names, vLLM's extras) and the errors it answers.
 
-Every check happens here, before a request reaches the engine, and every failure becomes an
-`APIError`: an HTTP status and OpenAI's error body ``{"error": {"message", "type", "param",
-"code"}}`` (vLLM's shape: ``type`` is ``BadRequestError`` / ``NotFoundError``, ``code`` the
-status). The message says what is wrong and what to do. A bad input is never a 500.
+This module only parses: JSON, field types (strict: "0.5" is not a temperature), OpenAI's own
+limits, what minikv does not serve. The values' rules are the engine's, checked once for offline
+and served requests alike (`SamplingParams`; `minikv.inputs` for prompt, context, pool and seats).
+Every failure becomes an `APIError`: an HTTP status and OpenAI's error body ``{"error":
+{"message", "type", "param", "code"}}`` (vLLM's shape: ``type`` is ``BadRequestError`` /
+``NotFoundError``, ``code`` the status). The message says what is wrong and what to do. A bad
+input is never a 500.
 """
 
 from __future__ import annotations
@@ -13,9 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from minikv.blocks import blocks_for
 from minikv.sampling import SamplingParams
-from minikv.validation import InvalidArgument
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
                429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -58,49 +59,6 @@ class _Common(BaseModel):
     logprobs: Any = None               # not served: refused below rather than silently ignored
     echo: bool = False
 
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, v):
-        if v is not None and v < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {v}; ask for one token or more")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v):
-        if v is None:
-            return 1.0
-        if v < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {v}")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v):
-        if v is None:
-            return 1.0
-        if not 0 < v <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {v}")
-        return v
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, v):
-        if v is None:
-            return 0
-        if v < -1:
-            raise ValueError(f"top_k must be -1 or 0 (every token) or a positive count, got {v}")
-        return max(v, 0)
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v):
-        if v is None:
-            return 1
-        if v < 1:
-            raise ValueError(f"n must be at least 1 (samples per prompt), got {v}")
-        return v
-
     @field_validator("stream", "ignore_eos", "return_token_ids")
     @classmethod
     def _flag(cls, v):
@@ -108,10 +66,10 @@ class _Common(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stop(cls, v):
+    def _stop(cls, v):   # OpenAI's API takes up to 4 (a limit of the API, not of sampling)
         stops = [v] if isinstance(v, str) else v or []
-        if len(stops) > 4 or not all(stops):
-            raise ValueError(f"stop is up to 4 non-empty strings, got {v!r}")
+        if len(stops) > 4:
+            raise ValueError(f"stop is up to 4 strings, got {len(stops)}")
         return stops or None
 
     def check_supported(self) -> None:
@@ -120,15 +78,18 @@ class _Common(BaseModel):
         if self.echo:
             raise APIError(400, "echo is not served by minikv; leave echo out (the prompt is yours already)", "echo")
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        # The engine's own checks have the last word (a NaN temperature passes JSON parsing, not them):
-        # what they refuse is the client's input, so a 400 naming the field, never a 500.
-        try:
-            return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                  max_tokens=self.requested_max_tokens or default_max_tokens, stop=self.stop,
-                                  seed=self.seed, ignore_eos=self.ignore_eos)
-        except InvalidArgument as err:
-            raise APIError(400, str(err), err.param) from None
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The body's sampling fields as `SamplingParams`, which alone judges their values: what it
+        refuses raises `InvalidArgument` naming the field (the handler answers 400 with it)."""
+        default = lambda value, when_null: when_null if value is None else value   # null: the default
+        top_k = default(self.top_k, 0)
+        return SamplingParams(n=default(self.n, 1), temperature=default(self.temperature, 1.0),
+                              top_p=default(self.top_p, 1.0), top_k=0 if top_k == -1 else top_k,   # vLLM: -1 is all
+                              max_tokens=max_tokens, stop=self.stop, seed=self.seed, ignore_eos=self.ignore_eos)
+
+    def field_name(self, param: str | None) -> str | None:
+        """The body's name for an engine parameter (chat spells max_tokens max_completion_tokens)."""
+        return param
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -141,13 +102,6 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[int]
-
-    @field_validator("prompt")
-    @classmethod
-    def _prompt(cls, v):
-        if not v:
-            raise ValueError("prompt is empty: give some text or a list of token ids")
-        return v
 
 
 class ChatMessage(BaseModel):
@@ -172,16 +126,14 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
 
-    @field_validator("max_completion_tokens")
-    @classmethod
-    def _max_completion_tokens(cls, v):
-        if v is not None and v < 1:
-            raise ValueError(f"max_completion_tokens must be at least 1, got {v}; ask for one token or more")
-        return v
-
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    def field_name(self, param: str | None) -> str | None:
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return param
 
 
 def parse(kind: type[_Common], raw: bytes) -> _Common:
@@ -215,31 +167,3 @@ def parse(kind: type[_Common], raw: bytes) -> _Common:
         raise APIError(400, msg, param) from None
     req.check_supported()
     return req
-
-
-def check_fits(prompt_len: int, max_tokens: int | None, *, context: int, num_blocks: int, block_size: int,
-               param: str) -> int:
-    """The engine's admission limits, checked before queueing; returns the max_tokens to use.
-
-    Without max_tokens a request may generate up to the context (vLLM's default), capped to what
-    the pool can hold for it alone.
-    """
-    if prompt_len >= context:
-        raise APIError(400, f"this model's maximum context length is {context} tokens, but the prompt has "
-                            f"{prompt_len}; shorten the prompt", param)
-    pool_tokens = num_blocks * block_size
-    if prompt_len > pool_tokens:
-        raise APIError(400, f"the prompt has {prompt_len} tokens but the whole KV cache pool holds {pool_tokens} "
-                            f"({num_blocks} blocks of {block_size}); shorten the prompt or start the server with "
-                            f"more KV cache (--num-blocks / --kv-cache-memory)", param)
-    if max_tokens is None:
-        return max(1, min(context - prompt_len, pool_tokens - prompt_len + 1))
-    if prompt_len + max_tokens > context:
-        raise APIError(400, f"this model's maximum context length is {context} tokens; you asked for "
-                            f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate); "
-                            f"lower max_tokens or shorten the prompt", "max_tokens")
-    if blocks_for(prompt_len + max_tokens - 1, block_size) > num_blocks:
-        raise APIError(400, f"{prompt_len} prompt + {max_tokens} max_tokens cannot fit even alone in the KV cache "
-                            f"pool of {pool_tokens} tokens; lower max_tokens or give the server more KV cache",
-                       "max_tokens")
-    return max_tokens

@@ -1,10 +1,11 @@
-"""What a client gets back: OpenAI's response and chunk objects, built from a request's `Choice`s.
+"""What a client gets back: OpenAI's response and chunk objects, built from a request's choices.
 
-`Choice` is the handler's view of one sample: its token ids, its text (grown by `IncrementalText`,
-or, for a request with stop strings, taken from the engine, which cuts the stop string off) and
-its finish reason. `minikv` is our extra field, on a response and on the last chunk of a stream:
-how the request fared inside the engine (preemptions, prefix-cache hits, queueing, TTFT), which
-a client cannot see otherwise; the load generator reads it to find the evicted tenants.
+A choice is the handler's view of one sample: a `minikv.outputs.CompletionOutput`, the sum of the
+deltas the engine's output processor made for it (token ids, text with any stop string already
+cut, finish reason), exactly what `LLM.generate` returns. `minikv` is our extra field, on a
+response and on the last chunk of a stream: how the request fared inside the engine (preemptions,
+prefix-cache hits, queueing, TTFT), which a client cannot see otherwise; the load generator reads
+it to find the evicted tenants.
 """
 
 from __future__ import annotations
@@ -13,32 +14,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from minikv.server.detok import IncrementalText
-
-
-@dataclass
-class Choice:
-    index: int
-    detok: IncrementalText | None      # None for stop-string requests: the engine's text is used
-    hold: int = 0                      # characters held back while a stop string might be forming
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-
-    def apply(self, token_ids: list[int], engine_text: str | None, finish_reason: str | None) -> str:
-        """Take one step's delta; return the new text to send (possibly empty)."""
-        self.token_ids += token_ids
-        if self.detok is not None:
-            delta = self.detok.push(token_ids)
-            if finish_reason:
-                delta += self.detok.flush()
-        else:
-            engine_text = engine_text or ""
-            safe = engine_text if finish_reason else engine_text[:max(0, len(engine_text) - self.hold)]
-            delta = safe[len(self.text):] if len(safe) > len(self.text) else ""
-        self.text += delta
-        self.finish_reason = self.finish_reason or finish_reason
-        return delta
+from minikv.outputs import CompletionOutput as Choice
 
 
 def usage(info: dict | None, choices: list[Choice], prompt_len: int) -> dict:
