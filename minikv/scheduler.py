@@ -46,9 +46,11 @@ this way, and so can a server that wants another one.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from minikv.metrics import Preemption
 from minikv.sequence import SeqStatus, Sequence
 from minikv.validation import check_long_prefill_token_threshold, check_preemption_mode
 
@@ -86,6 +88,7 @@ class SchedulerOutput:
     scheduled: list[Scheduled] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)   # COW block copies to apply first
     preempted: list[Sequence] = field(default_factory=list)
+    preemptions: list[Preemption] = field(default_factory=list)  # the same evictions, as records for the page
     prefill_tokens: int = 0
     decode_tokens: int = 0
 
@@ -293,7 +296,10 @@ class Scheduler:
         step.out.preempted.append(seq)
         self.running.remove(seq)
         table = self.bm.block_table(seq.seq_id)
-        if self.config.preemption_mode == "swap" and self.swap_used + len(table) <= self.config.swap_blocks:
+        swap = self.config.preemption_mode == "swap" and self.swap_used + len(table) <= self.config.swap_blocks
+        step.out.preemptions.append(Preemption(time.perf_counter(), seq.request.request_id, seq.seq_id, len(table),
+                                               "swap" if swap else "recompute"))
+        if swap:
             seq.swap_data, seq.swap_blocks = self.runner.swap_out(table), len(table)
             self.swap_used += len(table)
             self.bm.free(seq.seq_id)

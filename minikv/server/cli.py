@@ -83,6 +83,7 @@ def run_server(args) -> int:
     from minikv.models import ALIASES, TINY, load_model
     from minikv.server.app import ServerState, create_app
     from minikv.server.engine_loop import EngineLoop
+    from minikv.server.landlord import Feed
     from minikv.server.metrics import ServerMetrics
     from minikv.sizing import fmt_bytes
 
@@ -103,10 +104,13 @@ def run_server(args) -> int:
                        verbose=False)
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
-    loop = EngineLoop(engine, metrics)
+    landlord = Feed()
+    loop = EngineLoop(engine, metrics, landlord=landlord)
     state = ServerState(loop, tokenizer, name, max_waiting=args.max_waiting, api_key=args.api_key,
-                        max_body_bytes=args.max_request_bytes, metrics=metrics, max_num_seqs=args.max_num_seqs)
+                        max_body_bytes=args.max_request_bytes, metrics=metrics, max_num_seqs=args.max_num_seqs,
+                        landlord=landlord)
     metrics.after_step(engine, live=False, stepped=False)
+    landlord.after_step(engine, force=True)
     loop.start()
     pool = engine.num_blocks * engine.block_size
     print(f"minikv serve: http://{args.host}:{args.port}/v1  model {name!r} ({engine.device}, context "
@@ -114,7 +118,8 @@ def run_server(args) -> int:
           f"tokens, {fmt_bytes(engine.num_blocks * engine.bytes_per_block)}; prefix caching "
           f"{'on' if args.enable_prefix_caching else 'off'}, preemption {args.preemption_mode}, "
           f"max {args.max_num_seqs} seqs, max {args.max_waiting} waiting"
-          f"{'; API key required' if args.api_key else ''}", flush=True)
+          f"{'; API key required' if args.api_key else ''}\n"
+          f"  the landlord's window (the pool, live): http://{args.host}:{args.port}/landlord", flush=True)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=5, lifespan="off")
     server = _uvicorn_server(config, loop)
