@@ -35,8 +35,11 @@ from minikv.metrics import (
     SPAN_STEP,
     STEP_HISTORY,
     EngineStats,
+    PoolView,
+    Preemption,
     RequestMetrics,
     StepStats,
+    Tenant,
     span,
     summarize,
 )
@@ -243,6 +246,7 @@ class LLMEngine:
             t0 = time.perf_counter()
             changed, self._aborted = self._aborted, []
             batch = self._schedule()
+            self._preemptions = batch.preemptions
             if batch.scheduled:
                 logits = self._execute(batch)
                 changed += self._postprocess(batch, logits, t0)
@@ -320,6 +324,32 @@ class LLMEngine:
             blocks_free=bm.num_free_blocks, prefill_tokens=batch.prefill_tokens, decode_tokens=batch.decode_tokens,
             preemptions=len(batch.preempted)))
         self._num_steps += 1
+
+    # -- the landlord's view (read-only; stage 7's live page) ----------------------------------------
+    def last_preemptions(self) -> list[Preemption]:
+        """The evictions the last step decided (empty in most steps)."""
+        return list(getattr(self, "_preemptions", ()))
+
+    def pool_view(self) -> PoolView:
+        """Who holds which block right now, the tenants and the line at the door: for pictures, not the hot path."""
+        sched = self.scheduler
+        owner, refcount, cached = self.bm.pool_map()
+
+        def tenant(seq: Sequence, state: str) -> Tenant:
+            m, table = seq.request.metrics, self.bm.tables.get(seq.seq_id)
+            times = m.token_times
+            return Tenant(seq.request.request_id, seq.seq_id, state, len(table.blocks) if table else 0,
+                          table.num_tokens if table else 0, seq.num_prompt_tokens, len(seq.output_token_ids),
+                          m.preemptions, m.ttft, times[-1] - times[-2] if len(times) > 1 else None)
+
+        tenants = ([tenant(s, "running") for s in sched.running] + [tenant(s, "swapped") for s in sched.swapped]
+                   + [tenant(s, "waiting") for s in sched.waiting])
+        used = sum(r > 0 for r in refcount)
+        counts = {"running": len(sched.running), "waiting": len(sched.waiting), "swapped": len(sched.swapped),
+                  "blocks_used": used, "blocks_cached": sum(cached), "blocks_free": self.num_blocks - used,
+                  "preemptions": sched.num_preemptions}
+        return PoolView(len(self.step_stats), self.num_blocks, self.block_size, owner, refcount, cached, tenants,
+                        [s.request.request_id for s in sched.waiting], counts)
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """After its prompt: the request's other n-1 samples share every block of `seq` (copy-on-write)."""

@@ -177,3 +177,51 @@ def occupancy(steps: list[StepStats]) -> dict[str, list]:
     cols = ("step", "num_running", "num_waiting", "num_swapped", "blocks_used", "blocks_cached",
             "blocks_free", "prefill_tokens", "decode_tokens", "preemptions")
     return {c: [getattr(s, c) for s in steps] for c in cols}
+
+
+# -- the landlord's view: who holds which block (stage 7's live page reads only this) ---------------
+@dataclass(frozen=True)
+class Preemption:
+    """One eviction, as the scheduler decided it: whose, how many blocks it gave back, and how."""
+    time: float          # perf_counter when it was decided
+    request_id: str
+    seq_id: int
+    blocks: int          # blocks returned to the pool
+    mode: str            # "recompute" (K/V dropped, prompt+output computed again) or "swap" (copied to CPU)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One sequence in the building (running or swapped), or at the door (waiting)."""
+    request_id: str
+    seq_id: int
+    state: str                   # "running" | "waiting" | "swapped"
+    blocks: int                  # blocks it holds now (shared ones counted for each owner)
+    tokens: int                  # tokens whose K/V it holds
+    prompt_tokens: int
+    output_tokens: int
+    preemptions: int
+    ttft: float | None           # seconds, once its first token came
+    last_gap: float | None       # seconds between its last two tokens
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        for k in ("ttft", "last_gap"):
+            d[k] = None if d[k] is None else round(d[k], 4)
+        return d
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """The pool block by block, at the end of a step. ``owner[b]``: the seq_id of one sequence holding
+    block b (-1: none); ``refcount[b]``: how many hold it; ``cached[b]``: free but still holding a cached
+    prefix (evictable). ``counts`` are the numbers /metrics reports."""
+    step: int
+    num_blocks: int
+    block_size: int
+    owner: list[int]
+    refcount: list[int]
+    cached: list[bool]
+    tenants: list[Tenant]
+    waiting: list[str]           # request ids at the door, in the order they will be let in
+    counts: dict

@@ -266,6 +266,20 @@ class BlockManager:
         except KeyError:
             raise KeyError(f"no sequence {seq_id!r} in the block manager (never opened, or already freed)") from None
 
+    def pool_map(self) -> tuple[list[int], list[int], list[bool]]:
+        """(owner, refcount, cached) per block: one sequence holding it (-1 if none), how many hold it,
+        and whether it is free but still holds a cached prefix. A scan, for pictures, not the hot path."""
+        owner, refcount = [-1] * self.num_blocks, [0] * self.num_blocks
+        for seq_id, table in self.tables.items():
+            for b in table.blocks:
+                refcount[b] += 1
+                if owner[b] == -1:
+                    owner[b] = seq_id
+        cached = [False] * self.num_blocks
+        for b in self.cache.evictable:
+            cached[b] = True
+        return owner, refcount, cached
+
     @property
     def num_shared_blocks(self) -> int:
         """Blocks owned by more than one sequence right now (a scan: for reports, not the hot path)."""

@@ -52,9 +52,11 @@ this way, and so can a server that wants another one.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from minikv.metrics import Preemption
 from minikv.prefix import SwapSpace
 from minikv.sequence import SeqStatus, Sequence
 from minikv.validation import check_long_prefill_token_threshold, check_preemption_mode
@@ -119,6 +121,7 @@ class SchedulerOutput:
     scheduled: list[Scheduled] = field(default_factory=list)
     block_ops: list[BlockOp] = field(default_factory=list)   # to apply, in this order, before the forward
     preempted: list[Sequence] = field(default_factory=list)
+    preemptions: list[Preemption] = field(default_factory=list)  # the same evictions, as records for the page
     prefill_tokens: int = 0
     decode_tokens: int = 0
 
@@ -343,7 +346,10 @@ class Scheduler:
         step.out.preempted.append(seq)
         self.running.remove(seq)
         table = list(self.bm.block_table(seq.seq_id))
-        if self.config.preemption_mode == "swap" and self.swap.reserve(seq.seq_id, len(table)):
+        swap = self.config.preemption_mode == "swap" and self.swap.reserve(seq.seq_id, len(table))
+        step.out.preemptions.append(Preemption(time.perf_counter(), seq.request.request_id, seq.seq_id, len(table),
+                                               "swap" if swap else "recompute"))
+        if swap:
             # Its blocks are read before anything decided after this point may reuse them.
             self._flush_copies(step)
             step.out.block_ops.append(SwapOut(seq.seq_id, table))

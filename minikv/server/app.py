@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minikv.server.engine_loop import EngineLoop, ServerClosing, Update
+from minikv.server.landlord import add_routes as add_landlord_routes
 from minikv.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 from minikv.server.responses import Choice, Envelope, extra, sse, usage
 from minikv.validation import InvalidArgument
@@ -38,6 +39,7 @@ class ServerState:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     metrics: object = None                # ServerMetrics
+    landlord: object = None               # the live page's feed (minikv.server.landlord.Feed)
 
     @property
     def engine(self):
@@ -73,6 +75,9 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    if state.landlord is not None:
+        add_landlord_routes(app, state)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -77,6 +77,7 @@ def run_server(args) -> int:
     from minikv.models import ALIASES, TINY, load_model
     from minikv.server.app import ServerState, create_app
     from minikv.server.engine_loop import EngineLoop
+    from minikv.server.landlord import Feed
     from minikv.server.metrics import ServerMetrics
     from minikv.sizing import fmt_bytes
 
@@ -94,10 +95,12 @@ def run_server(args) -> int:
     engine = LLMEngine(model, tokenizer, config)
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
-    loop = EngineLoop(engine, metrics)
+    landlord = Feed()
+    loop = EngineLoop(engine, metrics, landlord=landlord)
     state = ServerState(loop, tokenizer, name, max_waiting=args.max_waiting, api_key=args.api_key,
-                        max_body_bytes=args.max_request_bytes, metrics=metrics)
+                        max_body_bytes=args.max_request_bytes, metrics=metrics, landlord=landlord)
     metrics.after_step(engine, live=False, stepped=False)
+    landlord.after_step(engine, force=True)
     loop.start()
     pool = engine.num_blocks * engine.block_size
     print(f"minikv serve: http://{args.host}:{args.port}/v1  model {name!r} ({engine.device}, context "
@@ -105,7 +108,8 @@ def run_server(args) -> int:
           f"tokens, {fmt_bytes(engine.num_blocks * engine.bytes_per_block)}; prefix caching "
           f"{'on' if config.enable_prefix_caching else 'off'}, preemption {config.preemption_mode}, "
           f"max {config.max_num_seqs} seqs, max {args.max_waiting} waiting"
-          f"{'; API key required' if args.api_key else ''}", flush=True)
+          f"{'; API key required' if args.api_key else ''}\n"
+          f"  the landlord's window (the pool, live): http://{args.host}:{args.port}/landlord", flush=True)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=5, lifespan="off")
     server = _uvicorn_server(config, loop)

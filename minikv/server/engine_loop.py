@@ -91,8 +91,9 @@ class Drain:
 class EngineLoop:
     """Owns the engine and its thread. `metrics` (a `minikv.server.metrics.ServerMetrics`) is updated per step."""
 
-    def __init__(self, engine, metrics=None, policy=None):
+    def __init__(self, engine, metrics=None, policy=None, landlord=None):
         self.engine, self.metrics = engine, metrics
+        self.landlord = landlord                # the live page's feed (minikv.server.landlord.Feed), if any
         # admission (minikv.server.admission): a policy decides admit / queue / refuse; None: --max-waiting only
         self.gate = Gate(policy, engine.block_size) if policy is not None else None
         self._step_s = 0.0
@@ -173,6 +174,8 @@ class EngineLoop:
                         gate.snapshot(self.engine, self.num_queued, self._step_s)
                     if self.metrics is not None:
                         self.metrics.after_step(self.engine, bool(self._live))
+                    if self.landlord is not None:   # throttled inside; the last step before idling always lands
+                        self.landlord.after_step(self.engine, force=not self._live)
         except BaseException as err:   # a bug: tell every waiting client instead of leaving it hanging
             self.error = err
             with self._lock:
