@@ -62,8 +62,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(Exception)
     async def _bug(request, err):   # never a traceback to the client; the log has it
         log.exception("internal error on %s", request.url.path)
+        # Starlette re-raises after this answer and uvicorn then closes the connection: say so, or a
+        # keep-alive client reuses it for its next request, which is lost unanswered.
         return JSONResponse(APIError(500, f"internal error ({type(err).__name__}); the server log has the "
-                                          "details").body(), status_code=500)
+                                          "details").body(), status_code=500, headers={"Connection": "close"})
 
     @app.get("/health")
     async def health():
