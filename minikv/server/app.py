@@ -1,4 +1,5 @@
-"""The HTTP routes: OpenAI's completions and chat completions, models, health and metrics.
+"""The HTTP routes: OpenAI's completions and chat completions, models, health and metrics
+(and, from `minikv.server.tokens`, vLLM's /tokenize, /detokenize and /version).
 
 A request's path through a handler: API key -> body (size-limited) -> `protocol.parse` -> model
 name -> tokenize (the chat template for chat) -> `protocol.check_fits` -> `EngineLoop.submit`
@@ -24,6 +25,7 @@ from minikv.server.detok import IncrementalText
 from minikv.server.engine_loop import Delta, EngineLoop, ServerClosing, Update
 from minikv.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, check_fits, parse
 from minikv.server.responses import Choice, Envelope, extra, sse, usage
+from minikv.server.tokens import add_routes as add_token_routes
 
 log = logging.getLogger("minikv.server")
 
@@ -92,6 +94,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         return await _serve(request, state, ChatCompletionRequest, f"chatcmpl-{uuid.uuid4().hex[:16]}-{next(ids)}")
 
+    add_token_routes(app, state, _check_key, _read_body)   # /tokenize, /detokenize, /version (vLLM's)
     return app
 
 
