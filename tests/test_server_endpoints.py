@@ -7,11 +7,16 @@ against the tokenizer run here. The same API key guards them as /v1.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import httpx
 import pytest
 
 import minikv
 from minikv.bench.serve import launch_server, stop_server, wait_healthy
+from minikv.server.cli import CPU_PREFILL_CAP, CPU_STEP_BUDGET
 from minikv.server.tokenizer import byte_tokenizer
 
 KEY = {"Authorization": "Bearer k3y"}
@@ -20,14 +25,19 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 
 @pytest.fixture(scope="module")
-def server():
+def running():
     proc, url = launch_server(SERVER)
     try:
         wait_healthy(proc, url, wait=180)
-        yield url
+        yield proc, url
     finally:
         log = stop_server(proc)
     assert proc.returncode == 0, log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def server(running):
+    return running[1]
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +128,19 @@ def test_the_api_key_guards_them_as_it_guards_v1(server, method, path, body):
         assert got.status_code == 401 and "--api-key" in got.json()["error"]["message"]
     assert httpx.request(method, server + path, json=body, headers=KEY, timeout=60).status_code == 200
     assert httpx.get(f"{server}/health").status_code == 200   # health stays open, as before
+
+
+def test_serve_starts_with_the_interactive_cpu_step_budget_and_prefill_cap(running):
+    proc, _ = running
+    banner = os.pread(proc.log.fileno(), 1 << 16, 0).decode()   # pread: the server's write offset stays put
+    assert f"step budget {CPU_STEP_BUDGET} tokens, a prompt's prefill chunk at most {CPU_PREFILL_CAP} tokens" \
+        in banner, banner
+
+
+@pytest.mark.parametrize("flag, value, must", [("--long-prefill-token-threshold", "-1", "0 or more"),
+                                                ("--max-num-batched-tokens", "0", "a positive integer")])
+def test_a_bad_step_flag_is_one_clear_line(flag, value, must):
+    out = subprocess.run([sys.executable, "-m", "minikv", "serve", "--model", "tiny-random-llama", flag, value],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and f"{flag} must be {must}, got {value}" in out.stderr + out.stdout
+    assert "Traceback" not in out.stderr

@@ -7,6 +7,7 @@ The pieces, one idea each, in the order a request meets them:
   `/metrics`), API-key check, body-size limit, back-pressure (429) and disconnects;
 * `protocol`: the request bodies (pydantic), their validation, and OpenAI's error body;
 * `responses`: the JSON a client gets back, whole or as server-sent-event chunks;
+* `tokens`: vLLM's small endpoints beside the API (`/tokenize`, `/detokenize`, `/version`);
 * `detok`: turning a stream of token ids into a stream of text that concatenates exactly;
 * `engine_loop`: the one thread that steps the engine, and how handlers hand it work;
 * `metrics`: Prometheus metrics under vLLM's names with the `minikv:` prefix;

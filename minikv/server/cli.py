@@ -17,6 +17,11 @@ import os
 import sys
 import threading
 
+# Interactive defaults on the CPU (see notebook 06, section 6): a step costs roughly its token count, so
+# the budget and the per-prompt chunk bound the longest pause a running stream sees when a long prompt
+# arrives; on a GPU a step of a few hundred tokens costs about a decode step, and vLLM's defaults stand.
+CPU_STEP_BUDGET = 512
+CPU_PREFILL_CAP = 256
 SERVE_HELP = "serve the model over vLLM's OpenAI-compatible HTTP API (FastAPI + uvicorn)"
 
 
@@ -30,7 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default=None, help="KV pool size in bytes or like '256MiB' "
                                                            "(default: 1 GiB on the CPU, capped by --max-num-seqs)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences in one batch at most (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most (default 2048)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"tokens per step at most (default {CPU_STEP_BUDGET} on the CPU, 2048 on a GPU: a CPU "
+                        "step's time grows with its tokens, and every running stream waits for the whole step)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help=f"one prompt's prefill tokens per step at most, 0 for no cap (default {CPU_PREFILL_CAP} on "
+                        "the CPU, 0 on a GPU: a long prompt is prefilled in chunks beside the decodes, so it no "
+                        "longer stalls every stream for seconds; it waits longer for its own first token)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the KV blocks of repeated prompt prefixes (default on)")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
@@ -86,9 +97,11 @@ def run_server(args) -> int:
     from minikv.server.metrics import ServerMetrics
     from minikv.sizing import fmt_bytes
 
-    for flag in ("port", "max_waiting", "max_request_bytes"):
-        if getattr(args, flag) < (0 if flag == "port" else 1):
-            raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    for flag in ("port", "max_waiting", "max_request_bytes", "max_num_batched_tokens", "long_prefill_token_threshold"):
+        value, zero_ok = getattr(args, flag), flag in ("port", "long_prefill_token_threshold")
+        if value is not None and value < (0 if zero_ok else 1):
+            raise ValueError(f"--{flag.replace('_', '-')} must be {'0 or more' if zero_ok else 'a positive integer'}, "
+                             f"got {value}")
     if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
@@ -96,9 +109,13 @@ def run_server(args) -> int:
     if tokenizer is None and ALIASES.get(args.model, args.model) == TINY:
         from minikv.server.tokenizer import byte_tokenizer
         tokenizer = byte_tokenizer()   # so the tiny test model reads text and chat too
+    budget, cap = args.max_num_batched_tokens, args.long_prefill_token_threshold
+    if next(model.parameters()).device.type == "cpu":
+        budget = CPU_STEP_BUDGET if budget is None else budget
+        cap = min(CPU_PREFILL_CAP, budget) if cap is None else cap
     engine = LLMEngine(model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
                        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_batched_tokens=budget, long_prefill_token_threshold=cap or None,
                        enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
                        verbose=False)
     name = args.served_model_name or args.model
@@ -113,7 +130,9 @@ def run_server(args) -> int:
           f"{engine.max_model_len})\n  KV pool: {engine.num_blocks} blocks x {engine.block_size} tokens = {pool} "
           f"tokens, {fmt_bytes(engine.num_blocks * engine.bytes_per_block)}; prefix caching "
           f"{'on' if args.enable_prefix_caching else 'off'}, preemption {args.preemption_mode}, "
-          f"max {args.max_num_seqs} seqs, max {args.max_waiting} waiting"
+          f"max {args.max_num_seqs} seqs, max {args.max_waiting} waiting\n  step budget "
+          f"{engine.scheduler.config.max_num_batched_tokens} tokens, a prompt's prefill chunk "
+          f"{'at most ' + str(cap) + ' tokens' if cap else 'uncapped'}"
           f"{'; API key required' if args.api_key else ''}", flush=True)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=5, lifespan="off")
