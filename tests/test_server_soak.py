@@ -141,6 +141,29 @@ def test_hostile_mix_every_request_answered_nothing_left(server):
     assert again.status_code == 200 and again.json()["choices"][0]["finish_reason"] in ("length", "stop")
 
 
+def test_an_internal_error_answers_500_and_closes_the_connection_so_no_next_request_is_lost():
+    """In-process: an engine loop that fails on submit (a bug) gets the client a 500 that says Connection: close."""
+    from types import SimpleNamespace
+
+    from minikv.server.app import ServerState, create_app
+    from minikv.server.tokenizer import byte_tokenizer
+
+    def broken_submit(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    engine = SimpleNamespace(vocab_size=256, max_model_len=512, num_blocks=64, block_size=16)
+    app = create_app(ServerState(SimpleNamespace(engine=engine, submit=broken_submit), byte_tokenizer(), "m"))
+
+    async def ask():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+
+    resp = asyncio.run(ask())
+    assert resp.status_code == 500 and "RuntimeError" in resp.json()["error"]["message"]
+    assert resp.headers["connection"] == "close"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=1200)
