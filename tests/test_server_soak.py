@@ -1,6 +1,6 @@
 """A hostile mix against the real server: every request gets an HTTP answer, never a 5xx, and nothing is left.
 
-Twelve kinds of request, 24 clients at a time, one shared keep-alive connection pool (as a real
+Twelve kinds of request (480 in all), 24 clients at a time, one shared keep-alive connection pool (as a real
 client has) against `minikv serve --num-blocks 64 --max-num-seqs 8 --max-waiting 16` on the tiny
 model: plain, streamed, streamed and dropped after the first chunk, n=2, stop strings, malformed
 JSON, wrong types, max_tokens of 10^9, unknown fields, invalid UTF-8, an empty chat, and a JSON
@@ -130,8 +130,8 @@ def test_deeply_nested_body_is_a_400_with_a_message(server, path, depth):
 
 
 def test_hostile_mix_every_request_answered_nothing_left(server):
-    results = asyncio.run(soak(server, requests=288))
-    assert len(results) == 288
+    results = asyncio.run(soak(server, requests=480))   # 40 of each kind
+    assert len(results) == 480
     assert problems(results) == []
     counts = collections.Counter(s for _, s in results)
     assert counts[200] >= 24 and counts[400] >= 24 * 5, counts   # work was done and refusals were refusals
