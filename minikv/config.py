@@ -124,9 +124,11 @@ _FLAGS = {
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:   # or one of its argument groups
-    """The engine's flags, one per `EngineConfig` field (`verbose` aside); each defaults to None: not given."""
+def add_engine_args(parser: argparse.ArgumentParser, help: dict[str, str] | None = None) -> None:
+    """The engine's flags, one per `EngineConfig` field (`verbose` aside); each defaults to None: not given.
+    `parser` may be an argument group; `help` replaces a flag's help where a command has defaults of its own."""
     for name, (kind, help_) in _FLAGS.items():
+        help_ = (help or {}).get(name, help_)
         flag = "--" + name.replace("_", "-")
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)

@@ -8,6 +8,7 @@ The pieces, one idea each, in the order a request meets them:
 * `protocol`: parsing the request bodies (pydantic) and OpenAI's error body (the values are
   checked by the engine's own door, `minikv.inputs`, and by `SamplingParams`);
 * `responses`: the JSON a client gets back, whole or as server-sent-event chunks;
+* `tokens`: vLLM's small endpoints beside the API (`/tokenize`, `/detokenize`, `/version`);
 * `engine_loop`: the one thread that steps the engine, and how handlers hand it work;
 * `metrics`: Prometheus metrics under vLLM's names with the `minikv:` prefix;
 * `tokenizer`: a byte-level tokenizer for the tiny random test model (which ships none).

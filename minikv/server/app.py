@@ -1,4 +1,5 @@
-"""The HTTP routes: OpenAI's completions and chat completions, models, health and metrics.
+"""The HTTP routes: OpenAI's completions and chat completions, models, health and metrics
+(and, from `minikv.server.tokens`, vLLM's /tokenize, /detokenize and /version).
 
 A request's path through a handler: API key -> body (size-limited) -> `protocol.parse` -> model
 name -> the engine's input processor (`minikv.inputs`: tokenize or chat template, `SamplingParams`,
@@ -25,6 +26,7 @@ from minikv.server.engine_loop import EngineLoop, ServerClosing, Update
 from minikv.server.landlord import add_routes as add_landlord_routes
 from minikv.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 from minikv.server.responses import Choice, Envelope, extra, sse, usage
+from minikv.server.tokens import add_routes as add_token_routes
 from minikv.validation import InvalidArgument
 
 log = logging.getLogger("minikv.server")
@@ -64,8 +66,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(Exception)
     async def _bug(request, err):   # never a traceback to the client; the log has it
         log.exception("internal error on %s", request.url.path)
+        # Starlette re-raises after this answer and uvicorn then closes the connection: say so, or a
+        # keep-alive client reuses it for its next request, which is lost unanswered.
         return JSONResponse(APIError(500, f"internal error ({type(err).__name__}); the server log has the "
-                                          "details").body(), status_code=500)
+                                          "details").body(), status_code=500, headers={"Connection": "close"})
 
     @app.get("/health")
     async def health():
@@ -95,6 +99,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         return await _serve(request, state, ChatCompletionRequest, f"chatcmpl-{uuid.uuid4().hex[:16]}-{next(ids)}")
 
+    add_token_routes(app, state, _check_key, _read_body)   # /tokenize, /detokenize, /version (vLLM's)
     return app
 
 

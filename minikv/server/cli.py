@@ -13,12 +13,27 @@ close and the process exits 0, within a few seconds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import threading
 
 from minikv.config import EngineConfig, add_engine_args
 
+# Interactive defaults on the CPU (see notebook 06, section 6): a step costs roughly its token count, so
+# the budget and the per-prompt chunk bound the longest pause a running stream sees when a long prompt
+# arrives; on a GPU a step of a few hundred tokens costs about a decode step, and vLLM's defaults stand.
+CPU_STEP_BUDGET = 512
+CPU_PREFILL_CAP = 256
+ENGINE_HELP = {
+    "max_num_batched_tokens": f"tokens per step at most (default {CPU_STEP_BUDGET} on the CPU with chunked prefill, "
+                              "2048 on a GPU: a CPU step's time grows with its tokens, and every running stream "
+                              "waits for the whole step)",
+    "long_prefill_token_threshold": f"one prompt's prefill tokens per step at most, 0 for no cap (default "
+                                    f"{CPU_PREFILL_CAP} on the CPU, no cap on a GPU: a long prompt is prefilled in "
+                                    "chunks beside the decodes, so it no longer stalls every stream for seconds; "
+                                    "it waits longer for its own first token)",
+}
 SERVE_HELP = "serve the model over vLLM's OpenAI-compatible HTTP API (FastAPI + uvicorn)"
 
 
@@ -27,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    add_engine_args(p.add_argument_group("the engine (minikv.config.EngineConfig; LLM(...) takes the same names)"))
+    add_engine_args(p.add_argument_group("the engine (minikv.config.EngineConfig; LLM(...) takes the same names)"),
+                    ENGINE_HELP)
     p.add_argument("--max-waiting", type=int, default=128,
                    help="requests accepted but not yet started at most; past it 429 + Retry-After (default 128)")
     p.add_argument("--api-key", default=os.environ.get("MINIKV_API_KEY"),
@@ -92,7 +108,13 @@ def run_server(args) -> int:
     if tokenizer is None and ALIASES.get(args.model, args.model) == TINY:
         from minikv.server.tokenizer import byte_tokenizer
         tokenizer = byte_tokenizer()   # so the tiny test model reads text and chat too
+    if next(model.parameters()).device.type == "cpu" and config.enable_chunked_prefill:   # interactive defaults
+        budget = config.max_num_batched_tokens or CPU_STEP_BUDGET
+        cap = config.long_prefill_token_threshold
+        config = dataclasses.replace(config, max_num_batched_tokens=budget,
+                                     long_prefill_token_threshold=min(CPU_PREFILL_CAP, budget) if cap is None else cap)
     engine = LLMEngine(model, tokenizer, config)
+    cap = config.long_prefill_token_threshold
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     landlord = Feed()
@@ -107,7 +129,9 @@ def run_server(args) -> int:
           f"{engine.max_model_len})\n  KV pool: {engine.num_blocks} blocks x {engine.block_size} tokens = {pool} "
           f"tokens, {fmt_bytes(engine.num_blocks * engine.bytes_per_block)}; prefix caching "
           f"{'on' if config.enable_prefix_caching else 'off'}, preemption {config.preemption_mode}, "
-          f"max {config.max_num_seqs} seqs, max {args.max_waiting} waiting"
+          f"max {config.max_num_seqs} seqs, max {args.max_waiting} waiting\n  step budget "
+          f"{engine.input_processor.limits.max_num_batched_tokens} tokens, a prompt's prefill chunk "
+          f"{'at most ' + str(cap) + ' tokens' if cap else 'uncapped'}"
           f"{'; API key required' if args.api_key else ''}\n"
           f"  the landlord's window (the pool, live): http://{args.host}:{args.port}/landlord", flush=True)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level,

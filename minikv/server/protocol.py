@@ -136,12 +136,24 @@ class ChatCompletionRequest(_Common):
         return param
 
 
-def parse(kind: type[_Common], raw: bytes) -> _Common:
-    """JSON bytes -> a validated request, or an APIError(400) naming the field and what to send."""
+# json.loads stops near 1,000 levels (Python's stack), pydantic's parser at 200: either way, a 400
+TOO_DEEP = ("the request body nests arrays or objects too deeply to read; send a flat JSON object (a prompt is "
+            "a string or a list of token ids)")
+
+
+def load_json(raw: bytes) -> Any:
+    """JSON bytes -> Python objects, or an APIError(400): every route reads its body through this."""
     try:
-        data = json.loads(raw)
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise APIError(400, f"the request body is not valid JSON ({err}); send a JSON object") from None
+    except RecursionError:   # a body nested thousands deep outruns Python's stack: the client's error, not ours
+        raise APIError(400, TOO_DEEP) from None
+
+
+def parse(kind: type[_Common], raw: bytes) -> _Common:
+    """JSON bytes -> a validated request, or an APIError(400) naming the field and what to send."""
+    data = load_json(raw)
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     missing = "prompt" if kind is CompletionRequest else "messages"
@@ -153,6 +165,8 @@ def parse(kind: type[_Common], raw: bytes) -> _Common:
         req = kind.model_validate_json(raw)
     except ValidationError as err:
         errors = err.errors()
+        if errors[0]["type"] == "json_invalid":   # json.loads read it, so only pydantic's depth limit is left
+            raise APIError(400, TOO_DEEP) from None
         param = str(errors[0]["loc"][0]) if errors[0]["loc"] else None
         same = [e for e in errors if e["loc"] and str(e["loc"][0]) == param]   # a union reports each member
         if errors[0]["type"] == "value_error":
