@@ -246,3 +246,18 @@ def test_digest_names_what_changed(tmp_path, monkeypatch):
     (tmp_path / "kernels/__init__.py").unlink()
     assert integrity.changed(before) == ["kernels/__init__.py", "minikv/__pycache__/sizing.cpython-311.pyc",
                                          "minikv/grading/checks/ex01_bytes.py"]
+
+
+def test_digest_does_not_flag_what_a_check_imports():
+    """Importing kernels/ (as the checks of 06 and 07 do) after the digest is no change: our own files are
+    compared by content, not also by stat as loaded modules. In a fresh process, whatever ran before."""
+    import subprocess
+    import sys
+
+    code = ("import minikv.grading.integrity as i\n"
+            "before = i.snapshot()\n"
+            "import kernels.paged_attention_cpu, minikv.engine\n"
+            "print(i.changed(before))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
