@@ -179,11 +179,6 @@ def exercise_module(exercise: str):
     return importlib.import_module(f"minikv.grading.checks.{module_name}")
 
 
-def exercise_checks(exercise: str) -> list[Check]:
-    """The checks of exercise `exercise`, in the order they are defined."""
-    return list(exercise_module(exercise).CHECKS)
-
-
 SELF_CHECK = ("(self-check, run in this notebook's own process. Graders run\n"
               " `python -m minikv grade NOTEBOOK`, which runs your code in a separate process\n"
               " and also fails code that calls minikv's own answer.)")

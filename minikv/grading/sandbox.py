@@ -174,10 +174,6 @@ class Sandbox:
             except subprocess.TimeoutExpired:
                 pass
 
-    def check_alive(self) -> None:
-        if self.death:
-            raise ChildDied(self.death)
-
     def __exit__(self, *exc):
         self._kill()
         try:
