@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from minikv.grading import call, learner, one_torch_thread, run_hypothesis
 from minikv.grading.public.ex07_admission import (  # noqa: F401 - the notebook's helpers, re-exported
     BASELINE_MAX_WAITING,
+    HOLD_LIMIT_S,
     ITL_SLO_S,
     MARGIN,
     MAX_QUEUE,
