@@ -80,7 +80,8 @@ def objective_verdict(m: dict) -> str | None:
             f"passes: baseline {m['base_steps']}, yours {m['steps']} ({steps:.3f}x, target <= {MAX_STEPS:.2f}x); "
             f"preemptions: baseline {m['base_preemptions']}, yours {m['preemptions']}")
     if rec > MAX_RECOMPUTED:
-        return f"{said}. Too many recomputed tokens: keep more headroom when admitting, or evict cheaper victims"
+        return (f"{said}. Too many recomputed tokens: reproduce it with objective(my_admit, my_victim, seed=...), then "
+                "read run_fake's trace: who is preempted, when, and what had it computed?")
     if steps > MAX_STEPS:
         return f"{said}. Too many forward passes: your admission holds requests back more than it needs to"
     return None
