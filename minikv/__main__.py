@@ -91,11 +91,12 @@ def cmd_grade(args) -> int:
         checks = list(dict.fromkeys(f"{r.exercise}: {c.name}" for r in reports for c in r.results))
         with open(args.csv, "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["path", "exercise", "score", "passed", "total", "percent", "seconds", "reason", *checks])
-            for r in reports:
+            writer.writerow(["path", "exercise", "score", "passed", "total", "percent", "seconds", "reason", "notes",
+                             *checks])
+            for r in reports:  # notes: cells that raised, processes left running (a grader reads why)
                 row, verdicts = r.row(), {f"{r.exercise}: {c.name}": c for c in r.results}
                 writer.writerow([row[k] for k in ("path", "exercise", "score", "passed", "total", "percent",
-                                                  "seconds", "reason")]
+                                                  "seconds", "reason")] + ["; ".join(r.notes)]
                                 + [("PASS" if verdicts[c].passed else "FAIL") if c in verdicts else "" for c in checks])
     full = sum(r.full_marks for r in reports)
     if len(reports) > 1 and not args.json:

@@ -62,6 +62,20 @@ def test_an_unbounded_queue_fails():
         ex.simulate(lambda request, state: "queue", ex.scenario([(0.0, 10, 4)] * (ex.MAX_QUEUE + 6)))
 
 
+def test_a_policy_that_never_decides_is_stopped_by_the_hold_limit():
+    """Held forever with an idle engine: stopped once the head has waited HOLD_LIMIT_S simulated seconds
+    (a few hundred steps), not after max_steps round trips into the submission."""
+    asked = []
+
+    def never(request, state):
+        asked.append(1)
+        return "queue"
+
+    with pytest.raises(AssertionError, match="neither admitted nor refused"):
+        ex.simulate(never, ex.scenario([(0.0, 10, 4)] * 3))
+    assert len(asked) < 3 + ex.HOLD_LIMIT_S / 0.05 + 10
+
+
 def test_a_policy_that_holds_forever_is_stopped():
     with pytest.raises(AssertionError, match="hold requests forever"):
         ex.simulate(lambda r, s: ("refuse", "x") if s["held"] >= 4 else "queue",

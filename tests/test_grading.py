@@ -1,11 +1,16 @@
 """The exercise machinery: stripping, sync of exercises/ with solutions/, and the grader on both."""
 
+import csv
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from minikv.grading import generate_exercises, grade, grade_notebook, make_exercise, run_checks, strip_solutions
+from minikv.grading import generate_exercises, grade, make_exercise, run_checks, strip_solutions
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -88,19 +93,57 @@ def test_unknown_exercise():
         grade("99", {})
 
 
-@pytest.mark.parametrize("solution", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
-def test_solution_scores_full_marks(solution, capsys):
-    results = grade_notebook(solution)
-    assert results and all(r.passed for r in results), "\n".join(map(str, results))
-    assert "(100%)" in capsys.readouterr().out
+# The documented path, as a grader runs it: `python -m minikv grade FOLDER --jobs 2` in a fresh process, once
+# for all solutions (a CSV gradebook) and once for all generated exercises (JSON, to read every message).
+# One batch each instead of a process per notebook: the same coverage at CI's cost of the slowest notebooks.
+def _grade_cli(*args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "minikv", "grade", *args, "--jobs", "2", "--quiet"],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+@pytest.fixture(scope="module")
+def solutions_gradebook(tmp_path_factory):
+    book = tmp_path_factory.mktemp("gradebook") / "solutions.csv"
+    done = _grade_cli("solutions/", "--csv", str(book))
+    rows = {Path(r["path"]).name: r for r in csv.DictReader(book.open())} if book.exists() else {}
+    return done, rows
+
+
+@pytest.fixture(scope="module")
+def exercises_gradebook():
+    done = _grade_cli("exercises/", "--json")
+    try:
+        rows = {Path(r["path"]).name: r for r in json.loads(done.stdout)}
+    except json.JSONDecodeError:
+        rows = {}
+    return done, rows
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
-def test_generated_exercise_scores_zero_with_clear_messages(solution):
-    results = grade_notebook(ROOT / "exercises" / solution.name)
-    assert results and not any(r.passed for r in results)
-    unclear = [str(r) for r in results if "not implemented yet" not in r.message]
+def test_solution_scores_full_marks_from_the_command_line(solution, solutions_gradebook):
+    done, rows = solutions_gradebook
+    assert solution.name in rows, f"no gradebook row for {solution.name}:\n{done.stdout}\n{done.stderr[-3000:]}"
+    row = rows[solution.name]
+    assert row["percent"] == "100" and row["reason"] == "", row
+    assert row["notes"] == "", f"a cell of {solution.name} raised under the grader: {row['notes']}"
+
+
+def test_the_solutions_batch_exits_zero(solutions_gradebook):
+    done, rows = solutions_gradebook
+    assert done.returncode == 0 and len(rows) == len(SOLUTIONS), done.stdout + done.stderr[-3000:]
+    assert f"{len(SOLUTIONS)}/{len(SOLUTIONS)} submissions with full marks" in done.stdout
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
+def test_generated_exercise_scores_zero_from_the_command_line(solution, exercises_gradebook):
+    done, rows = exercises_gradebook
+    assert solution.name in rows, f"no gradebook row for exercises/{solution.name}:\n{done.stderr[-3000:]}"
+    row = rows[solution.name]
+    assert row["results"] and row["passed"] == 0 and not row["tampered"], row
+    unclear = [f"{r['name']}: {r['message']}" for r in row["results"] if "not implemented yet" not in r["message"]]
     assert not unclear, "each check of an untouched exercise should say 'not implemented yet':\n" + "\n".join(unclear)
+    assert done.returncode != 0
 
 
 def test_exercise_badge_opens_the_exercise():
@@ -187,6 +230,27 @@ def test_sandbox_child_death_and_time_limit():
             box.namespace["spin"]()
 
 
+def test_a_check_that_never_returns_fails_at_its_own_budget_not_the_wall():
+    """A learner function that never returns: its check fails after that check's budget, named, with the
+    reason; the checks after it say "not run" with the same reason; the one before it passed."""
+    def check_first(ns):
+        assert ns["make"](2).free == [0, 1]
+
+    def check_spins(ns):
+        ns["spin"]()
+
+    def check_after(ns):
+        ns["make"](1)
+
+    cells = [(LEARNER + "\ndef spin():\n    while True:\n        pass\n", "<t cell 0>")]
+    with Sandbox(cells, timeout=280, memory_budget=None) as box:
+        results = run_checks([check_first, check_spins, check_after], box.namespace, box.check_budget,
+                             {"check_spins": 3})
+    assert [r.passed for r in results] == [True, False, False]
+    assert "the check 'spins' ran past its 3 s budget" in results[1].message, results[1]
+    assert results[2].message.startswith("not run: time limit: the check 'spins'"), results[2]
+
+
 def test_runtime_tripwire_catches_hidden_delegation():
     src = ("import minikv.sizing as s\nf = getattr(s, 'kv_bytes_' + 'per_token')\n"
            "def mine(cfg):\n    return f(cfg)\n")
@@ -246,3 +310,15 @@ def test_digest_names_what_changed(tmp_path, monkeypatch):
     (tmp_path / "kernels/__init__.py").unlink()
     assert integrity.changed(before) == ["kernels/__init__.py", "minikv/__pycache__/sizing.cpython-311.pyc",
                                          "minikv/grading/checks/ex01_bytes.py"]
+
+
+def test_digest_does_not_flag_what_a_check_imports():
+    """Importing kernels/ (as the checks of 06 and 07 do) after the digest is no change: our own files are
+    compared by content, not also by stat as loaded modules. In a fresh process, whatever ran before."""
+    code = ("import minikv.grading.integrity as i\n"
+            "before = i.snapshot()\n"
+            "import kernels.paged_attention_cpu, minikv.engine\n"
+            "print(i.changed(before))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

@@ -379,3 +379,89 @@ def test_a_batch_of_honest_tampering_honest(tmp_path):
         assert "b_tamperer" in rows["c_honest"]["reason"] and "restore them" in rows["c_honest"]["reason"], out
     else:
         assert rows["c_honest"]["score"] == "6/6", out
+
+
+# ---- copying instead of designing -------------------------------------------------------------------------
+# What a learner could paste instead of writing: minikv's own module, the lecture's code. Each is graded like
+# any submission, all in one batch (the slow exercises grade side by side); none may score 100%.
+
+PASTED_PREFIX = (ROOT / "minikv" / "prefix.py").read_text()
+PASTES = {
+    # minikv/prefix.py as `inspect.getsource` prints it, plus an all-or-nothing admit around it.
+    "05 minikv's module pasted": ("05_prefix_sharing.ipynb", {
+        "def chain_hash": PASTED_PREFIX + (
+            "\n\ndef chain_hash(parent_hash, tokens, salt=None):\n"
+            "    return block_hash(parent_hash, tokens, salt)\n"),
+        "class MyBlockManager": (
+            "import copy\n\n\nclass MyBlockManager:\n"
+            "    def __init__(self, num_blocks, block_size):\n"
+            "        self.bm, self.block_size = BlockManager(num_blocks, block_size), block_size\n\n"
+            "    @property\n    def num_free_blocks(self):\n        return self.bm.num_free_blocks\n\n"
+            "    def admit(self, seq_id, prompt, salt=None):\n"
+            "        if seq_id in self.bm.tables:\n"
+            "            raise ValueError(f'sequence {seq_id!r} is already admitted')\n"
+            "        trial = copy.deepcopy(self.bm)\n"
+            "        hit = trial.open(seq_id, prompt, extra_key=salt)\n"
+            "        trial.append(seq_id, prompt[hit:])\n"
+            "        self.bm = trial\n        return hit\n\n"
+            "    def append(self, seq_id, token):\n        return self.bm.append(seq_id, [token])[0]\n\n"
+            "    def fork(self, parent_id, child_id):\n        self.bm.fork(parent_id, child_id)\n\n"
+            "    def free(self, seq_id):\n        self.bm.free(seq_id)\n\n"
+            "    def take_copies(self):\n        return self.bm.take_copies()\n\n"
+            "    def block_table(self, seq_id):\n        return self.bm.block_table(seq_id)\n\n"
+            "    def num_tokens(self, seq_id):\n        return self.bm.num_tokens(seq_id)\n\n"
+            "    def refcount(self, block):\n        return self.bm.allocator.refcount(block)\n"),
+    }),
+    # The lecture's policy (minikv's default Scheduler.can_admit and choose_victim), as plain functions.
+    "06 the lecture's policy pasted": ("06_continuous_batching.ipynb", {
+        "def my_admit": (
+            "def my_admit(chunk_tokens, budget_left, blocks_needed, free_blocks, running_tokens, block_size):\n"
+            "    watermark = 1 if running_tokens else 0\n"
+            "    return chunk_tokens <= budget_left and blocks_needed <= free_blocks - watermark\n"),
+        "def my_victim": (
+            "def my_victim(needy, candidates):\n"
+            "    return candidates[-1][0] if candidates else needy\n"),
+    }),
+    # The lecture's baseline (notebook 07 serves minikv.server.admission.BoundedFIFO), copied.
+    "07 the lecture's policy pasted": ("07_landlord.ipynb", {
+        "class MyPolicy": (
+            "class MyPolicy:\n"
+            "    def __init__(self, max_waiting=BASELINE_MAX_WAITING):\n"
+            "        self.max_waiting = max_waiting\n\n"
+            "    def decide(self, request, state):\n"
+            "        if request['held'] or state['queued'] < self.max_waiting:\n"
+            "            return 'admit'\n"
+            "        return 'refuse', f\"{state['queued']} waiting\"\n"),
+    }),
+}
+
+
+def paste_notebook(name: str, folder: Path) -> Path:
+    """The untouched exercise with each graded cell (found by how it starts) replaced by the paste."""
+    notebook, cells = PASTES[name]
+    nb = nbformat.read(ROOT / "exercises" / notebook, as_version=4)
+    for start, code in cells.items():
+        cell = next(c for c in nb.cells if c.cell_type == "code" and start in c.source)
+        cell.source = code
+    path = folder / (name.split()[0] + "_" + "_".join(name.split()[1:]).replace("'", "") + ".ipynb")
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def paste_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pastes")
+    paths = {name: paste_notebook(name, folder) for name in PASTES}
+    done, _ = grade_cli(folder, "--jobs", "2", "--json", "--quiet", timeout=1500)
+    rows = {Path(r["path"]).name: r for r in json.loads(done.stdout)} if done.stdout.strip() else {}
+    return done, {name: rows.get(path.name) for name, path in paths.items()}
+
+
+@pytest.mark.parametrize("name", list(PASTES))
+def test_a_paste_does_not_score_full_marks(name, paste_runs):
+    done, rows = paste_runs
+    row = rows[name]
+    assert row is not None, done.stdout + done.stderr[-3000:]
+    assert row["results"] and not row["tampered"], row
+    assert row["passed"] < row["total"], f"{name} scored {row['score']}: {row['checks']}"
+    print(f"{name}: {row['score']}; {row['reason'][:200]}")

@@ -121,9 +121,15 @@ def peek(obj, items: list) -> list[tuple[str, object]]:
     return out
 
 
-def run_checks(checks: list[Check], ns) -> list[CheckResult]:
+CHECK_SECONDS = 120  # a check's own time budget under the sandbox, unless its module's CHECK_SECONDS says more
+
+
+def run_checks(checks: list[Check], ns, budget: Callable | None = None,
+               seconds: dict[str, float] | None = None) -> list[CheckResult]:
     """Run each check on the learner's namespace (a dict, or the sandbox's proxy of one). If the
-    submission's process dies, the check in flight and every later one fail with the reason."""
+    submission's process dies, the check in flight and every later one fail with the reason.
+    `budget(name, seconds)`: a context manager that bounds one check (the sandbox's `check_budget`);
+    `seconds`: the checks' budgets by function name (default CHECK_SECONDS)."""
     from minikv.grading.sandbox import ChildDied, Delegation
 
     results, dead = [], None
@@ -132,8 +138,10 @@ def run_checks(checks: list[Check], ns) -> list[CheckResult]:
         if dead:
             results.append(CheckResult(name, False, f"not run: {dead}"))
             continue
+        limit = (seconds or {}).get(check.__name__, CHECK_SECONDS)
         try:
-            check(ns)
+            with budget(name, limit) if budget else contextlib.nullcontext():
+                check(ns)
             results.append(CheckResult(name, True))
         except ChildDied as err:
             dead = err.reason
@@ -177,11 +185,6 @@ def exercise_module(exercise: str):
     if module_name is None:
         raise ValueError(f"no checks for exercise {exercise!r}; known: {', '.join(MODULES)}")
     return importlib.import_module(f"minikv.grading.checks.{module_name}")
-
-
-def exercise_checks(exercise: str) -> list[Check]:
-    """The checks of exercise `exercise`, in the order they are defined."""
-    return list(exercise_module(exercise).CHECKS)
 
 
 SELF_CHECK = ("(self-check, run in this notebook's own process. Graders run\n"
@@ -402,7 +405,8 @@ def _run_in_sandbox(report: Report, module, cells, flagged, timeout, budget, San
             if box.death:
                 report.results = run_checks(list(module.CHECKS), _Dead(box.death))
             else:
-                report.results = run_checks(list(module.CHECKS), box.namespace)
+                report.results = run_checks(list(module.CHECKS), box.namespace, box.check_budget,
+                                            getattr(module, "CHECK_SECONDS", None))
             report.round_trips = box.channel.next_request
     except ChildDied as err:  # while shutting down: the verdicts stand, the reason is recorded
         report.reason = err.reason

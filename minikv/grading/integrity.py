@@ -28,6 +28,11 @@ PACKAGE = Path(__file__).resolve().parents[1]  # minikv/
 REPO = PACKAGE.parent
 
 
+def _ours(path: str) -> bool:
+    """Is `path` under minikv/ or kernels/ (``minikv_x/`` is not under ``minikv/``)?"""
+    return any(path == root or path.startswith(root + os.sep) for root in (str(PACKAGE), str(REPO / "kernels")))
+
+
 def _content(path: str) -> str:
     try:
         with open(path, "rb") as f:
@@ -58,10 +63,14 @@ def _own_files() -> list[str]:
 
 
 def _library_paths() -> list[str]:
+    """The files of the modules loaded here, and the site-packages folders. Our own trees are left
+    out: `_own_files` covers them in full, by content, whether loaded or not; listing a file of
+    theirs a second time, by stat, only once a check has imported it (the checks of 06 and 07 import
+    kernels/), made that import itself look like a change."""
     out = set()
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)
-        if isinstance(path, str) and not path.startswith(str(PACKAGE)):
+        if isinstance(path, str) and not _ours(path):
             out.add(path)
     folders = site.getsitepackages() if hasattr(site, "getsitepackages") else []
     out.update(folders + [site.getusersitepackages()])
@@ -90,10 +99,9 @@ def changed(before: dict[str, str], after: dict[str, str] | None = None) -> list
     they are in it. Library paths are compared where both snapshots have them (a module first loaded
     in between was not in `before`); minikv's and kernels' files are compared in full."""
     after = snapshot() if after is None else after
-    own = str(PACKAGE), str(REPO / "kernels")
     out = []
     for path in sorted(set(before) | set(after)):
-        mine = path.startswith(own)
+        mine = _ours(path)
         if (mine or (path in before and path in after)) and before.get(path) != after.get(path):
             out.append(os.path.relpath(path, REPO) if path.startswith(str(REPO)) else path)
     return out

@@ -113,8 +113,12 @@ def _python_paths() -> list[str]:
 
 def _public_paths(repo: str) -> list[str]:
     """minikv/ and kernels/ without minikv/grading/checks: each entry beside a private one, one by one
-    (Landlock grants access beneath a path; it cannot take a subfolder back)."""
+    (Landlock grants access beneath a path; it cannot take a subfolder back). And the package's own
+    metadata (an editable install's ``minikv.egg-info``): ``transformers`` probes for a PyPI package
+    called ``kernels``, finds our folder, maps it to the distribution ``minikv`` and reads its version;
+    unreadable, that version is None and every import of a model raised ``InvalidVersion`` in here."""
     out = [os.path.join(repo, "kernels")]
+    out += [os.path.join(repo, n) for n in os.listdir(repo) if n.endswith((".egg-info", ".dist-info"))]
     package = os.path.join(repo, "minikv")
     for name in os.listdir(package):
         if name != "grading":

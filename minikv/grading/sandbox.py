@@ -15,6 +15,7 @@ When the sandbox closes, the child's process group and every process it left beh
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -88,7 +89,8 @@ class Sandbox:
         self.started = isolation.start_time(self.proc.pid)
         child_sock.close()
         self.channel = Channel(parent_sock, trusting=False)
-        self.channel.deadline = time.monotonic() + self.timeout
+        self.wall = self.channel.deadline = time.monotonic() + self.timeout
+        self.check_limit: tuple[str, float, float] | None = None
         self.channel.on_timeout = self._timed_out
         self.channel.on_eof = self._died
         self.channel.on_broken = self._broken
@@ -159,8 +161,25 @@ class Sandbox:
 
     def _timed_out(self):
         self._kill()
-        self.death = f"time limit: the submission ran past {self.timeout:g} s{self._where()}"
+        if self.check_limit is not None and self.check_limit[2] < self.wall:
+            name, seconds, _ = self.check_limit
+            self.death = (f"time limit: the check '{name}' ran past its {seconds:g} s budget (a call into your code "
+                          "that never returns?)")
+        else:
+            self.death = f"time limit: the submission ran past {self.timeout:g} s{self._where()}"
         raise ChildDied(self.death)
+
+    @contextlib.contextmanager
+    def check_budget(self, name: str, seconds: float):
+        """Run one check under its own time budget (and the submission's wall clock, whichever ends first):
+        a call that never returns fails that check after `seconds`, with its name, not the whole
+        submission at the wall. The submission's process is then gone: later checks say "not run"."""
+        self.check_limit = (name, seconds, time.monotonic() + seconds)
+        self.channel.deadline = min(self.wall, self.check_limit[2])
+        try:
+            yield
+        finally:
+            self.check_limit, self.channel.deadline = None, self.wall
 
     def _kill(self):
         if self.proc and self.proc.poll() is None:
@@ -173,10 +192,6 @@ class Sandbox:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
-
-    def check_alive(self) -> None:
-        if self.death:
-            raise ChildDied(self.death)
 
     def __exit__(self, *exc):
         self._kill()

@@ -363,5 +363,35 @@ def check_real_model_beams_with_your_manager(ns):
                              f"{num_blocks}")
 
 
+# ---- (e) your own code ------------------------------------------------------------------------------
+
+# The share of minikv/prefix.py's fingerprints (`minikv.grading.similarity`: runs of 25 normalised tokens)
+# a submission may have. Measured: the solution 0.02, the untouched exercise 0.01, the lecture's code 0.00,
+# minikv's other modules (blocks.py, paged.py) 0.00; prefix.py pasted with names changed 1.00, half of it 0.39.
+COPY_LIMIT = 0.15
+
+
+def check_your_code_is_not_minikvs_module(ns):
+    """Why a similarity check, not a second objective: the exercise's interface differs from minikv's
+    (all-or-nothing admit, salts), and the other checks grade behaviour against minikv's module, so any
+    objective minikv's module misses would also grade the reference wrong. A paste of that module plus an
+    adapter is what passed; its tokens, renamed or not, are what gives it away."""
+    from minikv import prefix
+    from minikv.grading.similarity import overlap
+
+    cls = _manager_cls(ns)
+    call(lambda: cls(4, BLOCK_SIZE).admit("probe", [1, 2]))  # an untouched exercise says "not implemented yet"
+    cells = getattr(ns, "cells", None)
+    if cells is None:  # the notebook's self-check: its input history
+        cells = [c for c in ns.get("In", []) if isinstance(c, str)]
+    with open(prefix.__file__) as f:
+        share = overlap("\n".join(cells), f.read())
+    if share > COPY_LIMIT:
+        raise AssertionError(f"{share:.0%} of minikv/prefix.py's code (compared as MOSS does: names, strings and "
+                             f"layout ignored) is in your notebook; at most {COPY_LIMIT:.0%} may be: write your "
+                             "own block manager instead of pasting minikv's")
+
+
 CHECKS = [check_chain_hash, check_lookup_and_copy_on_write_cases, check_matches_minikv_on_random_operations,
-          check_small_pool_all_or_nothing_and_eviction, check_real_model_beams_with_your_manager]
+          check_small_pool_all_or_nothing_and_eviction, check_real_model_beams_with_your_manager,
+          check_your_code_is_not_minikvs_module]

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from minikv.grading import call, learner, one_torch_thread, run_hypothesis
 from minikv.grading.public.ex07_admission import (  # noqa: F401 - the notebook's helpers, re-exported
     BASELINE_MAX_WAITING,
+    HOLD_LIMIT_S,
     ITL_SLO_S,
     MARGIN,
     MAX_QUEUE,
@@ -224,6 +225,10 @@ def check_the_real_server(ns):
     assert report["blocks_in_use_after"] == 0, f"blocks still in use after the flood: {report}"
     assert report["ok"] > 0, f"the real server completed nothing with your policy: {report}"
 
+
+# Each check's time budget under the grader (default: minikv.grading.grader.CHECK_SECONDS). The hand-made
+# states are a dozen calls of `decide`: a policy that never returns fails there in half a minute.
+CHECK_SECONDS = {"check_answers_on_hand_made_states": 30}
 
 CHECKS = [check_answers_on_hand_made_states, check_scripted_scenarios, check_scenarios_drawn_at_grading_time,
           check_the_real_server]

@@ -19,6 +19,8 @@ ITL_SLO_S = 0.3           # the longest gap a client accepts between two tokens
 BASELINE_MAX_WAITING = 16
 MARGIN = 1.25             # the learner's good requests >= MARGIN x the baseline's, where it misses
 MAX_QUEUE = 64            # held + waiting in the engine: past it, "no unbounded queue" fails
+HOLD_LIMIT_S = 10.0       # a request held this long (simulated) was never decided: the check stops there,
+                          # in a few hundred steps, instead of running the idle clock to max_steps
 
 
 def step_seconds(prefill_tokens: int, decode_tokens: int) -> float:
@@ -86,6 +88,11 @@ def simulate(decide, sc: dict, max_steps: int = 20000) -> dict:
             if ask(f"r{i}", False) == "queue":
                 held.append(f"r{i}")
         while held:
+            waited = now - recs[held[0]]["arrival"]
+            if waited > HOLD_LIMIT_S:
+                raise AssertionError(f"request {held[0]} was held {waited:.1f}s (simulated) and neither admitted nor "
+                                     f"refused: decide every held request within {HOLD_LIMIT_S:g}s; does your "
+                                     f"policy hold requests forever? ({describe(sc)})")
             decision = ask(held[0], True)
             if decision == "queue":
                 break
