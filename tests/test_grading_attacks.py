@@ -433,6 +433,21 @@ PASTES = {
             "            return 'admit'\n"
             "        return 'refuse', f\"{state['queued']} waiting\"\n"),
     }),
+    # What notebook 07 prints and runs: `minikv serve ... --max-waiting 64`, i.e. the server's BoundedFIFO(64).
+    "07 the lecture's --max-waiting 64 transcribed": ("07_landlord.ipynb", {
+        "class MyPolicy": (
+            "from minikv.server.admission import BoundedFIFO\n\n\n"
+            "class MyPolicy(BoundedFIFO):\n"
+            "    def __init__(self):\n"
+            "        super().__init__(max_waiting=64)\n"),
+    }),
+    # The laziest answer: let the engine's scheduler sort it out.
+    "07 return admit": ("07_landlord.ipynb", {
+        "class MyPolicy": (
+            "class MyPolicy:\n"
+            "    def decide(self, request, state):\n"
+            "        return 'admit'\n"),
+    }),
 }
 
 
