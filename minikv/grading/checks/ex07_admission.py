@@ -25,9 +25,9 @@ A policy that breaks a hard limit anywhere fails the check it breaks it in: a sc
 queue limit has no goodput. The passing rule (`MARGIN`) lives here, out of the notebook's reach.
 
 Measured (`python -m minikv grade`, see INSTRUCTORS.md): the solution 3/3, the untouched exercise 0/3,
-``return "admit"`` 0/3 (the burst overflows the queue), the baseline copied and the lecture's
-``--max-waiting 64`` 1/3 (1.00x), reserving every request's `max_tokens` 1/3 (1.16x on the scripted
-scenarios, 0.85-1.04x on drawn ones).
+``return "admit"`` 0/3 (the burst overflows the queue), a policy that holds forever 0/3 (in 8 s), the
+baseline copied and the lecture's ``--max-waiting 64`` 1/3 (1.00x), reserving every request's
+`max_tokens` 1/3 (1.16x on the scripted scenarios, 0.85-1.04x on drawn ones, seeds 0-7).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ GRADED = ["MyPolicy"]
 FORBIDDEN: list[str] = []  # nothing to delegate to: the baseline is importable but does not pass
 # The passing rule: good requests, summed over a set of scenarios, at least this many times the baseline's.
 # The scripted set is fixed (the solution: 1.52x); drawn sets vary with the seed (the solution: 1.21-1.56x
-# over seeds 0-39), so their target sits lower. Reserving every request's max_tokens: 1.16x and 0.85-1.04x.
+# over seeds 0-39), so their target sits lower. Reserving every request's max_tokens: 1.16x, 0.85-1.04x.
 MARGIN = {"scripted": 1.3, "drawn": 1.1}
 
 
