@@ -153,8 +153,19 @@ def flood(policy, n: int = 24, max_tokens: int = 12) -> dict:
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             return await asyncio.gather(*(one(client, i) for i in range(n)))
 
+    def in_a_fresh_loop(url):
+        # Jupyter's kernel already runs an event loop in this thread (the notebook's self-check): use another.
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(run(url))
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, run(url)).result()
+
     with one_torch_thread(), serve_in_process(policy) as (url, engine):
-        answers = asyncio.run(run(url))
+        answers = in_a_fresh_loop(url)
         time.sleep(0.2)
         in_use = engine.num_blocks - engine.bm.num_free_blocks
     kinds = [k for k, _ in answers]
