@@ -61,9 +61,10 @@ from minikv.server.admission import normalize, request_info
 GRADED = ["MyPolicy"]
 FORBIDDEN: list[str] = []  # nothing to delegate to: the baseline is importable but does not pass
 # The passing rule: good requests, summed over a set of scenarios, at least this many times the baseline's.
-# The scripted set is fixed (the solution: 1.52x); drawn sets vary with the seed (the solution: 1.21-1.56x
-# over seeds 0-39), so their target sits lower. Reserving every request's max_tokens: 1.16x, 0.85-1.04x.
-MARGIN = {"scripted": 1.3, "drawn": 1.1}
+# The scripted set is fixed (the solution: 1.52x); drawn sets vary with the seed (the solution: 1.16-1.56x
+# over seeds 0-83), so their target sits lower, below the solution's worst seed and above the lecture's policy
+# (exactly 1.00x). Reserving every request's max_tokens: 1.16x scripted (fails), 0.85-1.04x drawn (seeds 0-7).
+MARGIN = {"scripted": 1.3, "drawn": 1.05}
 
 
 def grading_seed() -> int:
