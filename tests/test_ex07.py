@@ -1,16 +1,34 @@
-"""Exercise 07's checks discriminate: the lecture's baseline (copied) scores its own goodput and so
-misses the margin; a policy that holds requests until the pool can hold them passes; a wrong answer,
-an unbounded queue and a policy that never admits get messages that say what is wrong. And the
-server's admission hook: refusals are 429s with the policy's reason, held requests are served."""
+"""Exercise 07's checks discriminate: the lecture's policy (copied, or with the lecture's `--max-waiting 64`)
+scores exactly the baseline's goodput and misses the target; reserving every request's `max_tokens` misses it
+too (the traffic stops early); `return "admit"` breaks the queue limit; the solution passes with margin on the
+scripted scenarios and on drawn ones. A wrong answer, an unbounded queue and a policy that never decides get
+messages that say what is wrong, in seconds. And the server's admission hook: refusals are 429s with the
+policy's reason, held requests are served."""
+
+import json
+from pathlib import Path
 
 import pytest
 
 from minikv.grading.checks import ex07_admission as ex
 from minikv.server.admission import BoundedFIFO, normalize
 
+SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "07_landlord.ipynb"
+
+
+def solution_policy():
+    """The solution notebook's `MyPolicy`, from its cell (the notebook's imports it needs, given)."""
+    cells = json.loads(SOLUTION.read_text())["cells"]
+    code = next("".join(c["source"]) for c in cells if c["cell_type"] == "code" and "class MyPolicy" in
+                "".join(c["source"]))
+    ns = {"TTFT_SLO_S": ex.TTFT_SLO_S, "ITL_SLO_S": ex.ITL_SLO_S, "MAX_QUEUE": ex.MAX_QUEUE}
+    exec(code, ns)  # noqa: S102 - the course's own solution
+    return ns["MyPolicy"]
+
 
 class Reserving:
-    """Hold a request until a seat is free and the pool holds it at its longest; give up late ones."""
+    """Hold a request until a seat is free and the pool holds it at its `max_tokens`; give up late ones
+    (the old exercise's answer: right when requests run to their max_tokens, wasteful when they stop early)."""
 
     def decide(self, request, state):
         fits = state["reserved_blocks"] + request["blocks_at_most"] <= state["num_blocks"]
@@ -24,31 +42,66 @@ class Reserving:
         return ("refuse", "full") if state["held"] >= 8 else "queue"
 
 
-def _totals(decide):
-    totals = {"base": 0, "mine": 0}
-    for sc in ex.SCENARIOS.values():
-        ex._add(totals, *ex.compare(decide, sc))
-    return totals
+class LecturesFIFO(BoundedFIFO):
+    """What notebook 07 serves with: `--max-waiting 64`."""
+
+    def __init__(self):
+        super().__init__(64)
 
 
-def test_the_copied_baseline_misses_the_margin():
-    totals = _totals(BoundedFIFO(ex.BASELINE_MAX_WAITING).decide)
-    assert totals["mine"] == totals["base"] > 0
-    with pytest.raises(AssertionError, match="at least 1.25x the baseline is needed"):
-        ex.margin_met(totals, "the scripted scenarios")
+class CopiedBaseline(BoundedFIFO):
+    def __init__(self):
+        super().__init__(ex.BASELINE_MAX_WAITING)
 
 
-def test_a_reserving_policy_passes_without_preemptions():
-    totals = _totals(Reserving().decide)
-    ex.margin_met(totals, "the scripted scenarios")
-    assert all(ex.simulate(Reserving().decide, sc)["preemptions"] == 0 for sc in ex.SCENARIOS.values())
+def ratio(m: dict) -> float:
+    return m["good"] / m["base_good"]
 
 
-def test_nothing_is_lost_in_a_simulation():
-    sc = ex.SCENARIOS["overload (12 requests/s)"]
+@pytest.mark.parametrize("policy", [CopiedBaseline, LecturesFIFO])
+def test_the_lectures_policy_scores_the_baseline_and_misses_the_target(policy):
+    m = ex.objective(policy, scenarios=ex.SCENARIOS)
+    assert m["good"] == m["base_good"] > 0
+    verdict = ex.objective_verdict(m, "the scripted scenarios", ex.MARGIN["scripted"])
+    assert verdict is not None and "(1.00x; the target is" in verdict, verdict
+
+
+def test_reserving_max_tokens_misses_the_target():
+    for m, target in ((ex.objective(Reserving, scenarios=ex.SCENARIOS), ex.MARGIN["scripted"]),
+                      (ex.objective(Reserving, seed=0), ex.MARGIN["drawn"])):
+        assert all(r["preemptions"] == 0 for r in m["scenarios"])   # it never overfills the pool ...
+        assert ex.objective_verdict(m, "scenarios", target) is not None, ratio(m)   # ... and leaves it idle
+
+
+def test_the_solution_passes_with_margin():
+    policy = solution_policy()
+    for seed in (None, 0, 1):
+        m = ex.objective(policy, seed, ex.SCENARIOS if seed is None else None)
+        target = ex.MARGIN["scripted" if seed is None else "drawn"]
+        print(f"seed {seed}: {ratio(m):.2f}x the baseline, target {target}x, margin {ratio(m) / target - 1:+.0%}")
+        assert ratio(m) >= target * 1.05, ex.objective_verdict(m, "scenarios", target)
+
+
+def test_return_admit_breaks_the_queue_limit():
+    with pytest.raises(AssertionError, match="not bounded back-pressure"):
+        ex.simulate(lambda request, state: "admit", ex.SCENARIOS["a burst of 80 at once"])
+    assert len(ex.SCENARIOS["a burst of 80 at once"]["requests"]) > ex.MAX_QUEUE
+
+
+def test_requests_stop_early_and_nothing_is_lost():
+    sc = ex.SCENARIOS["chat at 3 requests/s, max_tokens 256, most stop early"]
     out = ex.simulate(BoundedFIFO(4).decide, sc)
     assert out["finished"] + out["refused"] == out["offered"] == len(sc["requests"])
     assert out["refused"] > 0 and out["preemptions"] > 0
+    done = [r for r in out["requests"].values() if r["end"] in ("stop", "length")]
+    assert all(len(r["times"]) == r["output"] for r in done)
+    assert sum(r["output"] < r["max_tokens"] for r in done) > len(done) / 2
+
+
+def test_drawn_scenarios_come_from_the_seed():
+    assert ex.drawn_scenarios(5, 6) == ex.drawn_scenarios(5, 6) != ex.drawn_scenarios(6, 6)
+    assert all("(seed 5)" in name for name in ex.drawn_scenarios(5, 6))
+    assert len({ex.grading_seed() for _ in range(4)}) > 1
 
 
 def test_a_wrong_answer_is_named():
@@ -62,18 +115,19 @@ def test_an_unbounded_queue_fails():
         ex.simulate(lambda request, state: "queue", ex.scenario([(0.0, 10, 4)] * (ex.MAX_QUEUE + 6)))
 
 
-def test_a_policy_that_never_decides_is_stopped_by_the_hold_limit():
-    """Held forever with an idle engine: stopped once the head has waited HOLD_LIMIT_S simulated seconds
-    (a few hundred steps), not after max_steps round trips into the submission."""
+def test_a_policy_that_never_decides_fails_the_hard_limits_at_once():
+    """Held forever with an idle engine: the hard-limits check stops once the head has waited HOLD_LIMIT_S
+    simulated seconds (a few hundred calls), before any objective or the real server."""
     asked = []
 
-    def never(request, state):
-        asked.append(1)
-        return "queue"
+    class Never:
+        def decide(self, request, state):
+            asked.append(1)
+            return "queue" if request["held"] or state["running"] + state["waiting"] else "admit"
 
     with pytest.raises(AssertionError, match="neither admitted nor refused"):
-        ex.simulate(never, ex.scenario([(0.0, 10, 4)] * 3))
-    assert len(asked) < 3 + ex.HOLD_LIMIT_S / 0.05 + 10
+        ex.check_keeps_the_hard_limits({"MyPolicy": Never})
+    assert len(asked) < 100 + ex.HOLD_LIMIT_S / 0.05 * 2
 
 
 def test_a_policy_that_holds_forever_is_stopped():

@@ -433,6 +433,21 @@ PASTES = {
             "            return 'admit'\n"
             "        return 'refuse', f\"{state['queued']} waiting\"\n"),
     }),
+    # What notebook 07 prints and runs: `minikv serve ... --max-waiting 64`, i.e. the server's BoundedFIFO(64).
+    "07 the lecture's max_waiting 64 transcribed": ("07_landlord.ipynb", {
+        "class MyPolicy": (
+            "from minikv.server.admission import BoundedFIFO\n\n\n"
+            "class MyPolicy(BoundedFIFO):\n"
+            "    def __init__(self):\n"
+            "        super().__init__(max_waiting=64)\n"),
+    }),
+    # The laziest answer: let the engine's scheduler sort it out.
+    "07 return admit": ("07_landlord.ipynb", {
+        "class MyPolicy": (
+            "class MyPolicy:\n"
+            "    def decide(self, request, state):\n"
+            "        return 'admit'\n"),
+    }),
 }
 
 
@@ -465,3 +480,10 @@ def test_a_paste_does_not_score_full_marks(name, paste_runs):
     assert row["results"] and not row["tampered"], row
     assert row["passed"] < row["total"], f"{name} scored {row['score']}: {row['checks']}"
     print(f"{name}: {row['score']}; {row['reason'][:200]}")
+
+
+def test_07_return_admit_breaks_a_hard_limit_and_scores_nothing(paste_runs):
+    """The hard limits are a gate, not half the score: admitting everything floods the queue on the burst."""
+    row = paste_runs[1]["07 return admit"]
+    assert row is not None and row["passed"] == 0, row
+    assert "not bounded back-pressure" in row["reason"], row

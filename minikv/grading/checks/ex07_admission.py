@@ -1,49 +1,57 @@
 """Checks for exercise 07 (admission and back-pressure): the learner's `MyPolicy`.
 
 The learner designs the server's admission policy (`minikv.server.admission`: ``decide(request,
-state) -> "admit" | "queue" | "refuse"``), aimed at **goodput**: the share of offered requests
-that finish with a time to first token of at most `TTFT_SLO_S` and no gap between two of their
-tokens longer than `ITL_SLO_S`. There is no single right answer, so the checks do not compare
-decisions with a reference: they serve load scenarios with the learner's policy and with the
-lecture's baseline (`BoundedFIFO(BASELINE_MAX_WAITING)`) and compare the goodput, on a
-**simulated clock**: minikv's real `LLMEngine` with `minikv.sim.fake_runner.FakeRunner` (no model)
-and a step that lasts `step_seconds(prefill, decode)` simulated seconds. The checks:
+state) -> "admit" | "queue" | "refuse"``), aimed at **goodput**: the offered requests that finish
+with a time to first token of at most `TTFT_SLO_S` and no gap between two of their tokens longer
+than `ITL_SLO_S`. There is no single right answer, so the checks do not compare decisions with a
+reference: they serve load with the learner's policy and with the lecture's baseline
+(`BoundedFIFO(BASELINE_MAX_WAITING)`) on a **simulated clock** (minikv's real `LLMEngine` with
+`minikv.sim.fake_runner.FakeRunner`, a step lasting `step_seconds(prefill, decode)` simulated
+seconds) and compare the goodput. Most requests ask for far more tokens than they generate (chat
+clients' `max_tokens`; the model stops early), so reserving every request's `max_tokens` up front
+wastes the pool: a policy must decide how much to hold back, and the checks reward that design.
 
-1. the policy answers sensibly on hand-made states (a valid decision; an idle server admits);
-2. scripted scenarios (light load, a burst, a long-prompt mix): every request finished or refused
-   with a reason, the queue bounded, goodput at most `TOLERANCE` requests below the baseline's in
-   each, and `MARGIN` times the baseline's in total where the baseline misses the objective;
-3. scenarios drawn by hypothesis at grading time, the same way (the margin on their total);
-4. the real server (`minikv serve`'s app, in this process, tiny random model) with the policy:
-   a flood of concurrent requests all end in a completion or a 429 with a reason, and every
-   block is free afterwards.
+1. **The hard limits** (the gate): valid answers on hand-made states, an idle server admits a request
+   that fits; the scripted scenarios served with nothing lost, at most `MAX_QUEUE` requests held and
+   waiting (the burst of 80 exceeds it unless the policy refuses), every held request decided within
+   `HOLD_LIMIT_S` simulated seconds; and `minikv serve`'s app (in this process, tiny random model)
+   with the policy: a flood of concurrent requests all end in a completion or a 429 with a reason,
+   every block free afterwards.
+2. **Goodput on the scripted scenarios**: summed over them, at least `MARGIN["scripted"]` x the baseline's.
+3. **Goodput on `NUM_DRAWN` scenarios drawn at grading time** from a seed the operating system gives
+   (printed in the verdict; ``objective(MyPolicy, seed)`` reproduces it): at least `MARGIN["drawn"]` x.
 
-Copying the baseline scores its goodput, not the margin, so it fails checks 2 and 3.
+A policy that breaks a hard limit anywhere fails the check it breaks it in: a scenario served past the
+queue limit has no goodput. The passing rule (`MARGIN`) lives here, out of the notebook's reach.
+
+Measured (`python -m minikv grade`, see INSTRUCTORS.md): the solution 3/3, the untouched exercise 0/3,
+``return "admit"`` 0/3 (the burst overflows the queue), a policy that holds forever 0/3 (in 8 s), the
+baseline copied and the lecture's ``--max-waiting 64`` 1/3 (1.00x), reserving every request's
+`max_tokens` 1/3 (1.16x on the scripted scenarios, 0.85-1.04x on drawn ones, seeds 0-7).
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
 import time
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from minikv.grading import call, learner, one_torch_thread, run_hypothesis
+from minikv.grading import call, learner, one_torch_thread
 from minikv.grading.public.ex07_admission import (  # noqa: F401 - the notebook's helpers, re-exported
     BASELINE_MAX_WAITING,
     HOLD_LIMIT_S,
     ITL_SLO_S,
-    MARGIN,
     MAX_QUEUE,
+    NUM_DRAWN,
     SCENARIOS,
-    TOLERANCE,
     TTFT_SLO_S,
     _poisson,
     _prompt,
     _tiny_model,
     baseline,
     describe,
+    drawn_scenarios,
+    objective,
     scenario,
     simulate,
     step_seconds,
@@ -52,42 +60,30 @@ from minikv.server.admission import normalize, request_info
 
 GRADED = ["MyPolicy"]
 FORBIDDEN: list[str] = []  # nothing to delegate to: the baseline is importable but does not pass
-SCENARIOS_DRAWN = settings(max_examples=8, deadline=None, database=None, derandomize=True,
-                           report_multiple_bugs=False)
+# The passing rule: good requests, summed over a set of scenarios, at least this many times the baseline's.
+# The scripted set is fixed (the solution: 1.52x); drawn sets vary with the seed (the solution: 1.16-1.56x
+# over seeds 0-83), so their target sits lower, below the solution's worst seed and above the lecture's policy
+# (exactly 1.00x). Reserving every request's max_tokens: 1.16x scripted (fails), 0.85-1.04x drawn (seeds 0-7).
+MARGIN = {"scripted": 1.3, "drawn": 1.05}
 
 
-def compare(decide, sc: dict) -> tuple[dict, dict]:
-    """Serve `sc` with the baseline and with `decide`; raise when `decide` is more than TOLERANCE short."""
-    base, mine = baseline(sc), simulate(decide, sc)
-    if mine["good"] < base["good"] - TOLERANCE:
-        raise AssertionError(
-            f"{describe(sc)}: your policy served {mine['good']} of {mine['offered']} requests within the objective "
-            f"(TTFT <= {TTFT_SLO_S}s, every gap <= {ITL_SLO_S}s), the baseline {base['good']}: at most "
-            f"{TOLERANCE} fewer is allowed (you refused {mine['refused']}, preemptions {mine['preemptions']}, "
-            f"longest queue {mine['longest_queue']})")
-    return base, mine
+def grading_seed() -> int:
+    """A seed drawn afresh for each grading run, from the operating system (not Python's generator, which
+    a submission could seed). The verdict prints it, so `objective(MyPolicy, seed)` reproduces the run."""
+    return random.SystemRandom().randrange(2 ** 32)
 
 
-def margin_met(totals: dict, what: str) -> None:
-    assert totals["mine"] >= MARGIN * totals["base"], (
-        f"over {what} where the baseline missed the objective, your policy served {totals['mine']} requests "
-        f"within it, the baseline {totals['base']}: at least {MARGIN}x the baseline is needed")
-
-
-def _add(totals: dict, base: dict, mine: dict) -> None:
-    if base["good"] < base["offered"]:
-        totals["base"] += base["good"]
-        totals["mine"] += mine["good"]
-
-
-@st.composite
-def scenarios(draw):
-    rate = draw(st.sampled_from([1.0, 3.0, 6.0, 10.0, 20.0]))
-    long_prompts = draw(st.booleans())
-    reqs = _poisson(rate, draw(st.integers(20, 50)), draw(st.integers(0, 10**6)),
-                    prompts=(16, 300 if long_prompts else 120), outputs=(4, draw(st.sampled_from([24, 64]))))
-    return scenario(reqs, num_blocks=draw(st.sampled_from([48, 96])), max_num_seqs=draw(st.sampled_from([4, 8, 16])))
-
+def objective_verdict(m: dict, what: str, target: float) -> str | None:
+    """None if the measurements `m` (from `objective`) meet `target`, else what was measured and the target."""
+    ratio = m["good"] / max(1, m["base_good"])
+    if ratio >= target:
+        return None
+    worst = sorted(m["scenarios"], key=lambda r: r["good"] - r["base_good"])[:2]
+    said = "; ".join(f"{r['name']}: yours {r['good']}, baseline {r['base_good']} of {r['offered']} (you refused "
+                     f"{r['refused']}, preemptions {r['preemptions']})" for r in worst)
+    return (f"over {what}, your policy served {m['good']} of {m['offered']} requests within the objective (TTFT <= "
+            f"{TTFT_SLO_S}s, every gap <= {ITL_SLO_S}s), the lecture's baseline {m['base_good']} ({ratio:.2f}x; the "
+            f"target is {target:.2f}x). Where you lost most: {said}")
 
 # ---- the real server, in this process ---------------------------------------------------------
 
@@ -158,8 +154,19 @@ def flood(policy, n: int = 24, max_tokens: int = 12) -> dict:
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             return await asyncio.gather(*(one(client, i) for i in range(n)))
 
+    def in_a_fresh_loop(url):
+        # Jupyter's kernel already runs an event loop in this thread (the notebook's self-check): use another.
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(run(url))
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, run(url)).result()
+
     with one_torch_thread(), serve_in_process(policy) as (url, engine):
-        answers = asyncio.run(run(url))
+        answers = in_a_fresh_loop(url)
         time.sleep(0.2)
         in_use = engine.num_blocks - engine.bm.num_free_blocks
     kinds = [k for k, _ in answers]
@@ -176,59 +183,55 @@ def _idle_state(**kw) -> dict:
     return s | kw
 
 
-def _policy(ns):
-    return learner(ns, "MyPolicy")()
+def _decide(ns):
+    """A fresh policy's `decide`, called once so that a stub stops here with "not implemented yet"."""
+    decide = learner(ns, "MyPolicy")().decide
+    call(decide, request_info(40, 20, 8), _idle_state())
+    return decide
 
 
-def check_answers_on_hand_made_states(ns):
-    policy = _policy(ns)
+def check_keeps_the_hard_limits(ns):
+    decide = _decide(ns)
     fresh = request_info(40, 20, 8)
-    decision, _ = normalize(call(policy.decide, fresh, _idle_state()), "MyPolicy.decide")
+    decision, _ = normalize(call(decide, fresh, _idle_state()), "MyPolicy.decide")
     assert decision == "admit", (f"an idle server (nothing running, nothing waiting) answered {decision!r} to a "
                                  f"request that fits: {fresh}; it must admit it")
     busy = _idle_state(running=8, waiting=20, queued=20, free_blocks=0, reserved_blocks=90, step_s=0.06)
-    normalize(call(policy.decide, fresh, busy), "MyPolicy.decide")
+    normalize(call(decide, fresh, busy), "MyPolicy.decide")
     late = request_info(40, 20, 8, waited_s=5.0, held=True)
-    normalize(call(policy.decide, late, busy | {"held": 1, "queued": 21}), "MyPolicy.decide")
-
-
-def check_scripted_scenarios(ns):
-    policy = _policy(ns)
-    call(policy.decide, request_info(40, 20, 8), _idle_state())   # a stub stops here
-    totals = {"base": 0, "mine": 0}
+    normalize(call(decide, late, busy | {"held": 1, "queued": 21}), "MyPolicy.decide")
     for name, sc in SCENARIOS.items():
         try:
-            _add(totals, *compare(learner(ns, "MyPolicy")().decide, sc))
+            simulate(learner(ns, "MyPolicy")().decide, sc)
         except AssertionError as err:
             raise AssertionError(f"{name}: {err}") from None
-    margin_met(totals, "the scripted scenarios")
-
-
-def check_scenarios_drawn_at_grading_time(ns):
-    call(_policy(ns).decide, request_info(40, 20, 8), _idle_state())
-    totals = {"base": 0, "mine": 0}
-
-    @SCENARIOS_DRAWN
-    @given(scenarios())
-    def test(sc):
-        _add(totals, *compare(learner(ns, "MyPolicy")().decide, sc))
-
-    run_hypothesis(test, "does your policy keep state from one scenario to the next?")
-    margin_met(totals, "the drawn scenarios")
-
-
-def check_the_real_server(ns):
-    policy = _policy(ns)
-    call(policy.decide, request_info(40, 20, 8), _idle_state())
-    report = flood(policy)
+    report = flood(learner(ns, "MyPolicy")())
     assert report["lost"] == 0, f"the real server lost {report['lost']} requests with your policy: {report}"
-    assert report["blocks_in_use_after"] == 0, f"blocks still in use after the flood: {report}"
+    assert report["blocks_in_use_after"] == 0, f"the real server: blocks still in use after the flood: {report}"
     assert report["ok"] > 0, f"the real server completed nothing with your policy: {report}"
 
 
-# Each check's time budget under the grader (default: minikv.grading.grader.CHECK_SECONDS). The hand-made
-# states are a dozen calls of `decide`: a policy that never returns fails there in half a minute.
-CHECK_SECONDS = {"check_answers_on_hand_made_states": 30}
+def check_goodput_on_the_scripted_scenarios(ns):
+    _decide(ns)
+    m = objective(lambda: learner(ns, "MyPolicy")(), scenarios=SCENARIOS)
+    verdict = objective_verdict(m, f"the {len(SCENARIOS)} scripted scenarios", MARGIN["scripted"])
+    assert verdict is None, verdict
 
-CHECKS = [check_answers_on_hand_made_states, check_scripted_scenarios, check_scenarios_drawn_at_grading_time,
-          check_the_real_server]
+
+def check_goodput_on_scenarios_drawn_at_grading_time(ns):
+    _decide(ns)
+    seed = grading_seed()
+    m = objective(lambda: learner(ns, "MyPolicy")(), seed)
+    verdict = objective_verdict(m, f"{m['n']} scenarios drawn with seed {seed} (objective(MyPolicy, seed={seed}) "
+                                   "reproduces them)", MARGIN["drawn"])
+    assert verdict is None, verdict
+
+
+# Each check's time budget under the grader (default: minikv.grading.grader.CHECK_SECONDS). The hard limits
+# take 2 s in-process (the real server most of it), several times that under the sandbox on a loaded machine:
+# a `decide` that never returns fails there within a minute, one that holds requests forever within seconds
+# (HOLD_LIMIT_S).
+CHECK_SECONDS = {"check_keeps_the_hard_limits": 60}
+
+CHECKS = [check_keeps_the_hard_limits, check_goodput_on_the_scripted_scenarios,
+          check_goodput_on_scenarios_drawn_at_grading_time]
