@@ -66,3 +66,35 @@ def test_snapshots_are_throttled_and_only_built_while_watched():
         eng.step()
         feed.after_step(eng)
     assert feed.version == 1, "one snapshot an hour at most: the steps since must not have built any"
+
+
+def test_steps_route_returns_the_engines_step_record_exactly():
+    """/landlord/steps is the engine's own per-step record (what a step plot draws), each step once, in order,
+    even when the feed is called again without a new step (the loop forces a call when it goes idle)."""
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    from minikv.server.app import ServerState, create_app
+
+    eng, feed = _engine(), Feed()
+    _fill(eng)
+    while eng.has_unfinished_requests():
+        eng.step()
+        feed.after_step(eng)
+        feed.after_step(eng, force=True)          # no new step: nothing may be recorded twice
+    app = create_app(ServerState(SimpleNamespace(engine=eng), None, "m", api_key="k", landlord=feed))
+    http, key = TestClient(app), {"Authorization": "Bearer k"}
+    body = http.get("/landlord/steps", headers=key).json()
+    want = [asdict(s) for s in eng.stats(history=None).steps]
+    assert body["steps"] == want and body["last"] == want[-1]["step"]
+    assert sum(r["preemptions"] for r in body["steps"]) == eng.scheduler.num_preemptions > 0
+    half = want[len(want) // 2]["step"]
+    tail = http.get(f"/landlord/steps?since={half}", headers=key).json()
+    assert tail["steps"] == [r for r in want if r["step"] > half]
+    empty = http.get(f"/landlord/steps?since={body['last']}", headers=key).json()
+    assert empty == {"steps": [], "last": body["last"]}
+    bad = http.get("/landlord/steps?since=soon", headers=key)
+    assert bad.status_code == 400 and "not an integer" in bad.text
+    assert http.get("/landlord/steps").status_code == 401

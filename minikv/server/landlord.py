@@ -21,8 +21,10 @@ How it is fed, and why it cannot slow the engine:
 
 ``/landlord`` serves the page (``landlord.html`` beside this file, one self-contained file: no
 build step, no CDN), ``/landlord/events`` the stream, ``/landlord/snapshot`` one snapshot as JSON
-(for a notebook's static picture). With ``--api-key`` all three need the key, as a bearer header or,
-because a browser's EventSource cannot set headers, as ``?key=`` in the URL.
+(for a notebook's static picture), ``/landlord/steps?since=N`` the engine's per-step record after step
+N as JSON rows (``StepStats``: occupancy, queues, preemptions, as the engine recorded them at the end of
+each step, so a plot of them is exact, not a sampled gauge). With ``--api-key`` all four need the key,
+as a bearer header or, because a browser's EventSource cannot set headers, as ``?key=`` in the URL.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import json
 import threading
 import time
 from collections import deque
+from dataclasses import asdict
 from pathlib import Path
 
 from fastapi import Request
@@ -45,8 +48,10 @@ PAGE = Path(__file__).with_name("landlord.html")
 class Feed:
     """Per-step snapshots of the pool for the landlord's page: built on the engine thread, read by streams."""
 
-    def __init__(self, min_interval: float = 0.1, log_size: int = 20, spark_size: int = 120):
+    def __init__(self, min_interval: float = 0.1, log_size: int = 20, spark_size: int = 120,
+                 step_size: int = 1 << 14):
         self.min_interval = min_interval
+        self._steps: deque[dict] = deque(maxlen=step_size)  # the engine's step rows, copied on its thread
         self._lock = threading.Lock()
         self._log: deque[dict] = deque(maxlen=log_size)    # the last preemptions, numbered
         self._ttft: deque[float] = deque(maxlen=spark_size)  # first-token latencies, in arrival order
@@ -61,6 +66,13 @@ class Feed:
 
     # -- the engine thread -----------------------------------------------------------------------
     def after_step(self, engine, force: bool = False) -> None:
+        # The step record: copied here, on the engine thread, from the frozen snapshot stats() builds;
+        # the event loop only reads these plain dicts under the lock. A forced call repeats a step: skip it.
+        last = self._steps[-1]["step"] if self._steps else -1
+        rows = [asdict(s) for s in engine.stats(history=8).steps if s.step > last]
+        if rows:
+            with self._lock:
+                self._steps.extend(rows)
         for p in engine.last_preemptions():
             self._num_preempted += 1
             self._log.append({"n": self._num_preempted, "t": round(p.time, 3), "request": p.request_id,
@@ -91,6 +103,11 @@ class Feed:
             self.snapshot, self.version = text, self.version + 1
 
     # -- the event loop --------------------------------------------------------------------------
+    def steps_since(self, since: int) -> list[dict]:
+        """The recorded step rows whose step number is above `since` (the oldest kept first)."""
+        with self._lock:
+            return [r for r in self._steps if r["step"] > since]
+
     def with_viewers(self, text: str) -> str:
         """The snapshot with the number of pages watching now (counted here, not on the engine thread)."""
         return f'{{"viewers":{self.streams},{text[1:]}'
@@ -126,7 +143,8 @@ class Feed:
 
 
 def add_routes(app, state) -> None:
-    """/landlord (the page), /landlord/events (its stream), /landlord/snapshot (one snapshot as JSON)."""
+    """/landlord (the page), /landlord/events (its stream), /landlord/snapshot (one snapshot as JSON),
+    /landlord/steps (the engine's per-step record as JSON rows)."""
     def check_key(request: Request) -> None:
         if not state.api_key:
             return
@@ -148,6 +166,18 @@ def add_routes(app, state) -> None:
         if text is None:
             raise APIError(503, "no snapshot yet: the engine has not started; try again in a moment")
         return Response(text, media_type="application/json")
+
+    @app.get("/landlord/steps")
+    async def steps(request: Request):
+        check_key(request)
+        raw = request.query_params.get("since", "-1")
+        try:
+            since = int(raw)
+        except ValueError:
+            raise APIError(400, f"since={raw!r} is not an integer: pass the last step number you have "
+                                "(e.g. /landlord/steps?since=120), or leave it out for every kept step") from None
+        rows = state.landlord.steps_since(since)
+        return {"steps": rows, "last": rows[-1]["step"] if rows else since}
 
     @app.get("/landlord/events")
     async def events(request: Request):
