@@ -9,6 +9,7 @@ fresh virtual environment, and use it from a folder outside the repository.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -63,7 +64,10 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
     src = tmp / "src"
     shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
         ".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis", "artifacts", "out"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+    # This venv's setuptools if it has one (Python 3.11's venvs do, 3.12's do not): then pip builds in an
+    # isolated environment of its own, fetching setuptools from the package index.
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation,
                     "-w", str(tmp / "dist"), str(src)], check=True, timeout=300)
     (wheel,) = (tmp / "dist").glob("minikv-*.whl")
     env_dir = tmp / "venv"
