@@ -300,6 +300,6 @@ def test_glossary_opens_rendered_and_its_index_jumps(lab, page):
     viewer = page.locator(".jp-MarkdownViewer:visible").first
     viewer.wait_for()
     assert page.locator(".jp-FileEditor:visible").count() == 0, "GLOSSARY.md opened in the text editor"
-    viewer.locator("a[href='#TTFT']:not(.jp-InternalAnchorLink)").click()  # not the heading's own ¶
+    viewer.locator("a[href='#TTFT']:not(.jp-InternalAnchorLink)").first.click()  # the index's (not the heading's ¶)
     wait_until_term_at_top(viewer, "TTFT")
     shot(page, "glossary_index_jump")
