@@ -176,6 +176,7 @@ class LLMEngine:
         self.step_stats: list[StepStats] = []   # the bounded step history (see _record); read it through stats()
         self._num_steps = 0
         self._aborted: list[RequestOutput] = []
+        self._preemptions: list[Preemption] = []   # the last step's evictions, for the landlord's page
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
@@ -328,7 +329,7 @@ class LLMEngine:
     # -- the landlord's view (read-only; stage 7's live page) ----------------------------------------
     def last_preemptions(self) -> list[Preemption]:
         """The evictions the last step decided (empty in most steps)."""
-        return list(getattr(self, "_preemptions", ()))
+        return list(self._preemptions)
 
     def pool_view(self) -> PoolView:
         """Who holds which block right now, the tenants and the line at the door: for pictures, not the hot path."""
