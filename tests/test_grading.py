@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -249,6 +250,17 @@ def test_a_check_that_never_returns_fails_at_its_own_budget_not_the_wall():
     assert [r.passed for r in results] == [True, False, False]
     assert "the check 'spins' ran past its 3 s budget" in results[1].message, results[1]
     assert results[2].message.startswith("not run: time limit: the check 'spins'"), results[2]
+
+
+def test_a_cell_that_never_returns_ends_the_submission_at_its_cell_budget_not_the_wall():
+    """A notebook cell that never returns (a demo calling a learner function that loops): the sandbox ends the
+    submission after the cell's budget, naming the cell, long before the wall clock; cells before it were timed."""
+    cells = [(LEARNER, "<t cell 0>"), ("while True:\n    pass\n", "<t cell 1>"), ("x = 1\n", "<t cell 2>")]
+    start = time.monotonic()
+    with Sandbox(cells, timeout=280, memory_budget=None, cell_seconds=3) as box:
+        assert box.death and "<t cell 1> ran past its 3 s budget for one cell" in box.death, box.death
+    assert time.monotonic() - start < 60, "the cell's budget, not the wall clock, should have ended it"
+    assert list(box.cell_times) == ["<t cell 0>"]
 
 
 def test_runtime_tripwire_catches_hidden_delegation():

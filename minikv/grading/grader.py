@@ -122,6 +122,10 @@ def peek(obj, items: list) -> list[tuple[str, object]]:
 
 
 CHECK_SECONDS = 120  # a check's own time budget under the sandbox, unless its module's CHECK_SECONDS says more
+# One notebook cell's time budget under the sandbox, unless the exercise's check module sets CELL_SECONDS: the
+# slowest cell of any solution takes a few seconds (`Report.slowest_cell` says which), so a cell that never
+# returns ends the submission here, named, and not at the wall clock.
+CELL_SECONDS = 60
 
 
 def run_checks(checks: list[Check], ns, budget: Callable | None = None,
@@ -309,6 +313,7 @@ class Report:
     isolation: str = ""   # what kept the submission's process in, in words
     tampered: list[str] = field(default_factory=list)  # grader files that changed while it was graded
     integrity_seconds: float = 0.0  # the digests before and after
+    slowest_cell: tuple[str, float] = ("", 0.0)  # the cell that took longest, and its seconds
 
     @property
     def graded(self) -> bool:
@@ -330,6 +335,7 @@ class Report:
                 "seconds": round(self.seconds, 1), "round_trips": self.round_trips, "reason": self.reason,
                 "isolation": self.isolation, "tampered": self.tampered,
                 "integrity_seconds": round(self.integrity_seconds, 3),
+                "slowest_cell": [self.slowest_cell[0], round(self.slowest_cell[1], 1)],
                 "checks": {r.name: ("PASS" if r.passed else "FAIL") for r in self.results}}
 
 
@@ -400,7 +406,8 @@ def grade_submission(path: str | Path, timeout: float = 300, memory_gb: float | 
 def _run_in_sandbox(report: Report, module, cells, flagged, timeout, budget, Sandbox, ChildDied) -> None:
     try:
         with Sandbox(cells, timeout=timeout, memory_budget=budget, flagged=flagged,
-                     tripwires=tuple(getattr(module, "FORBIDDEN", ()))) as box:
+                     tripwires=tuple(getattr(module, "FORBIDDEN", ())),
+                     cell_seconds=getattr(module, "CELL_SECONDS", CELL_SECONDS)) as box:
             report.notes = box.notes
             if box.death:
                 report.results = run_checks(list(module.CHECKS), _Dead(box.death))
@@ -414,6 +421,7 @@ def _run_in_sandbox(report: Report, module, cells, flagged, timeout, budget, San
         report.reason = _one_line(f"grader error: {type(err).__name__}: {err}")
     if "box" in locals():
         report.isolation = box.isolation
+        report.slowest_cell = max(box.cell_times.items(), key=lambda kv: kv[1], default=("", 0.0))
         if box.leftovers:
             report.notes.append(f"the submission left {box.leftovers} process(es) running: killed")
 

@@ -60,11 +60,17 @@ class Sandbox:
     """A child process holding one submission's namespace. Use as a context manager.
 
     `memory_budget`: bytes of address space the submission may add to what the interpreter needs
-    after importing torch and minikv (measured in the child; None: no limit)."""
+    after importing torch and minikv (measured in the child; None: no limit). `cell_seconds`: one
+    cell's time budget (within the wall clock): a cell that never returns (a demo calling a learner
+    function that loops) ends the submission after it, named, not at the wall. `cell_times` records
+    each cell's seconds."""
 
     def __init__(self, cells: list[tuple[str, str]], *, timeout: float = 300, memory_budget: int | None = 4 << 30,
-                 tripwires: tuple[str, ...] = (), flagged: dict[str, str] | None = None, repo: str | None = None):
+                 tripwires: tuple[str, ...] = (), flagged: dict[str, str] | None = None, repo: str | None = None,
+                 cell_seconds: float | None = None):
         self.cells, self.timeout, self.memory_budget = cells, timeout, memory_budget
+        self.cell_seconds = cell_seconds
+        self.cell_times: dict[str, float] = {}
         self.tripwires, self.flagged = tripwires, flagged
         self.repo = repo or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         self.proc = None
@@ -108,12 +114,12 @@ class Sandbox:
                     self.address_space = (int(msg[2]), int(msg[3]))
                     self.isolation = self.plan.describe(said, self.timeout, self.address_space)
                 elif msg[0] == "cell":
-                    self.cell_running = str(msg[1])[:100]
+                    self._cell_started(str(msg[1])[:100])
                 elif msg[0] == "note":
                     self.notes.append(_one_line(msg[1]))
                     self.namespace.notes = self.notes
                 else:
-                    self.cell_running = None
+                    self._cell_started(None)
                     break
         except ProtocolError as err:
             self._kill()
@@ -121,6 +127,15 @@ class Sandbox:
         except ChildDied as err:
             self.death = err.reason
         return self
+
+    def _cell_started(self, name: str | None) -> None:
+        """The child started cell `name` (None: all cells ran): time the last one, bound the next."""
+        now = time.monotonic()
+        if self.cell_running is not None:
+            self.cell_times[self.cell_running] = now - self.cell_started
+        self.cell_running, self.cell_started = name, now
+        cell_end = now + self.cell_seconds if name is not None and self.cell_seconds else self.wall
+        self.channel.deadline = min(self.wall, cell_end)
 
     def _status(self) -> str:
         try:
@@ -165,6 +180,9 @@ class Sandbox:
             name, seconds, _ = self.check_limit
             self.death = (f"time limit: the check '{name}' ran past its {seconds:g} s budget (a call into your code "
                           "that never returns?)")
+        elif self.cell_running is not None and self.channel.deadline < self.wall:
+            self.death = (f"time limit: {self.cell_running} ran past its {self.cell_seconds:g} s budget for one cell "
+                          "(a loop that never ends, or a call into your code that never returns?)")
         else:
             self.death = f"time limit: the submission ran past {self.timeout:g} s{self._where()}"
         raise ChildDied(self.death)
