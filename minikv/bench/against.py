@@ -10,7 +10,6 @@ shared machine the neighbours move both columns: read the ratios, not the absolu
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import tempfile
@@ -96,7 +95,8 @@ def run(args, rates) -> int:
     """The --against vllm run; `args` are bench serve's parsed arguments."""
     import httpx
 
-    from minikv.bench.serve import make_requests, report, run_load, server_flags, start_server, stop_server
+    from minikv.bench.profile import print_breakdown
+    from minikv.bench.serve import make_requests, profiled_load, report, server_flags, start_server, stop_server
     from minikv.models import cache_dir
 
     minikv_proc = vllm_proc = None
@@ -122,11 +122,13 @@ def run(args, rates) -> int:
             reps = {}
             for name, url in urls.items():
                 model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-                done = asyncio.run(run_load(url, model, requests, rate, args.seed + i, args.timeout,
-                                            max_concurrency=args.max_concurrency))
+                done = profiled_load(url, model, requests, rate, args.seed + i, args,
+                                     args.profile and name == "minikv")
                 reps[name] = report(done, rate, args.slo_ttft, args.slo_tpot)
                 failed += reps[name]["failed"]
             side_by_side(rate, reps)
+            if reps["minikv"].get("profile") is not None:
+                print_breakdown(reps["minikv"]["profile"])
         return 0 if failed == 0 else 1
     finally:
         for proc in (vllm_proc, minikv_proc):
