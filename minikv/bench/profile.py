@@ -222,6 +222,65 @@ def breakdown(results: list, prof: dict) -> dict:
             "steps": steps, "recorded_steps": len(rows)}
 
 
+# -- the control: the same engine without a server ----------------------------------------------------
+def control_batches(b: dict, most: int = 3) -> list[int]:
+    """The decode batch sizes the served run stepped most often (the control measures those)."""
+    table = b["steps"]["decode_only"]
+    return sorted(sorted(table, key=lambda k: -table[k]["steps"])[:most])
+
+
+def offline_steps(args, batches: list[int], prompt_len: int, steps: int = 6, seed: int = 0) -> dict[int, dict]:
+    """Decode-only steps of the same model and engine flags in this process, no server (no event loop, no
+    HTTP, no other thread): per batch size, the mean and spread of `steps` step durations (after one warm-up)."""
+    import torch
+
+    from minikv.config import EngineConfig
+    from minikv.engine import LLMEngine
+    from minikv.models import load_model
+    from minikv.sampling import SamplingParams
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    engine = LLMEngine(model, tokenizer, EngineConfig.from_cli_args(args, verbose=False))
+    rng = np.random.default_rng(seed)
+    # Prefill the largest batch once, then abort requests down to each smaller size: one prefill in all.
+    batches = sorted(batches, reverse=True)
+    # long enough that no request finishes while the others still prefill (then the batch would never be whole)
+    params = SamplingParams(max_tokens=engine.max_model_len - prompt_len - 1, temperature=0.0, ignore_eos=True)
+    ids = [f"control-{i}" for i in range(batches[0])]
+    for rid in ids:
+        engine.add_request(rid, {"prompt": None, "prompt_token_ids": rng.integers(100, engine.vocab_size,
+                                                                               prompt_len).tolist()}, params)
+    out = {}
+    for b in batches:
+        while len(ids) > b:
+            engine.abort_request(ids.pop())
+        durations = []
+        for _ in range(100 * (steps + 1)):   # prefill steps first; then decode-only steps of all b (1 warm-up)
+            if len(durations) > steps:
+                break
+            engine.step()
+            last = engine.stats(history=1).last_step
+            if last is not None and last.prefill_tokens == 0 and last.decode_tokens == b:
+                durations.append(last.duration)
+        if len(durations) <= steps:
+            raise RuntimeError(f"the control never ran {steps} decode-only steps of batch {b}")
+        d = np.asarray(durations[1:]) * 1e3
+        out[b] = {"steps": steps, "duration_ms": float(d.mean()), "min_ms": float(d.min()), "max_ms": float(d.max())}
+    for rid in ids:
+        engine.abort_request(rid)
+    return dict(sorted(out.items()))
+
+
+def compare_control(b: dict, control: dict[int, dict]) -> dict:
+    """Served decode step vs the same batch offline: what serving adds to the step itself."""
+    served = b["steps"]["decode_only"]
+    return {k: {"served_ms": served[k]["duration_ms"], "served_steps": served[k]["steps"],
+                "offline_ms": v["duration_ms"], "offline_min_ms": v["min_ms"], "offline_max_ms": v["max_ms"],
+                "ratio": served[k]["duration_ms"] / v["duration_ms"]} for k, v in control.items() if k in served}
+
+
 # -- printing -----------------------------------------------------------------------------------
 def _table(title: str, t: dict | None, terms) -> None:
     if t is None:
@@ -264,3 +323,12 @@ def print_breakdown(b: dict) -> None:
     if w["steps"]:
         print(f"steps with a prefill chunk: {w['steps']}, mean {w['duration_ms']:.1f} ms "
               f"({w['prefill_tokens_mean']:.0f} prefill + {w['decode_tokens_mean']:.1f} decode tokens)")
+
+def print_control(b: dict) -> None:
+    if b.get("control"):
+        print("control, decode-only step by batch: served (steps) vs the same engine offline in the client after "
+              "the run (min-max), ratio")
+        for k, v in b["control"].items():
+            print(f"  batch {k:>3}: served {v['served_ms']:7.1f} ms ({v['served_steps']})   offline "
+                  f"{v['offline_ms']:7.1f} ms ({v['offline_min_ms']:.1f}-{v['offline_max_ms']:.1f})   "
+                  f"{v['ratio']:.2f}x")

@@ -43,7 +43,15 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from minikv.bench.profile import breakdown, print_breakdown, switch
+from minikv.bench.profile import (
+    breakdown,
+    compare_control,
+    control_batches,
+    offline_steps,
+    print_breakdown,
+    print_control,
+    switch,
+)
 from minikv.config import add_engine_args, engine_flags
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -437,6 +445,9 @@ def parse_args(argv):
     p.add_argument("--profile", action="store_true",
                    help="also record the server's steps, engine thread and event loop (/debug/profile) and print "
                         "where a served token's time goes (minikv.bench.profile)")
+    p.add_argument("--offline-control", action="store_true",
+                   help="with --profile and a server it starts: after the run, time decode steps of the same model "
+                        "and engine flags in this process, no server, at the batch sizes the run stepped most")
     v = p.add_argument_group("a peer (minikv.bench.against)")
     v.add_argument("--against", choices=("vllm",), help="run the same load against vLLM's server too, side by side")
     v.add_argument("--vllm-url", help="a running vLLM server (loopback); default: start one from .venv-vllm")
@@ -452,6 +463,9 @@ def parse_args(argv):
     if args.url and urlparse(args.url).hostname not in LOOPBACK:
         raise ValueError(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))}); this load generator "
                          f"does not load other machines, got {args.url}")
+    if args.offline_control and (not args.profile or args.url):
+        raise ValueError("--offline-control needs --profile and a server bench serve starts itself (no --url): "
+                         "it loads the same model with the same engine flags after stopping that server")
     if args.vllm_url and urlparse(args.vllm_url).hostname not in LOOPBACK:
         raise ValueError(f"--vllm-url must be a loopback address, got {args.vllm_url}")
     rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.rate]
@@ -493,17 +507,26 @@ def cli(argv: list[str]) -> int:
                   "shared_prefix": args.shared_prefix, "max_prompt_len": args.max_prompt_len,
                   "max_output_len": args.max_output_len, "workload": args.workload, "seed": args.seed,
                   "server_flags": None if args.url else server_flags(args), "started_server": proc is not None}
-        reports = []
+        reports, controls = [], []
         for i, rate in enumerate(rates):
             requests = make_requests(args.num_requests, args.seed + i, vocab, context, args.max_prompt_len,
                                      args.max_output_len, args.shared_prefix, args.workload)
             run = profiled_load(url, model, requests, rate, args.seed + i, args, args.profile)
             rep = report(run, rate, args.slo_ttft, args.slo_tpot)
             reports.append(rep)
+            if args.offline_control and rep.get("profile") is not None:
+                controls.append(rep["profile"])
             if args.json != "-":
                 print_report(rep, config)
                 if rep.get("profile") is not None:
                     print_breakdown(rep["profile"])
+        if controls:   # the server is stopped first: the control must not share the cores with it
+            stop_server(proc)
+            for prof in controls:
+                prof["control"] = compare_control(prof, offline_steps(args, control_batches(prof),
+                                                                      args.max_prompt_len))
+                if args.json != "-":
+                    print_control(prof)
         if len(reports) > 1 and args.json != "-":
             print(f"{'rate':>6}{'req/s':>8}{'tok/s':>8}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>8}"
                   f"{'ITL p99':>9}{'preempt':>9}")
