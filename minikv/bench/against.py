@@ -6,6 +6,8 @@ Both servers run on loopback and serve SmolLM2 (vLLM from its own virtualenv, `.
 completions go to both (same prompt token ids, EOS ignored) and their texts are compared; then each
 rate's load runs against minikv, then against vLLM, back to back, and one table prints both. On a
 shared machine the neighbours move both columns: read the ratios, not the absolute figures.
+With ``--profile`` the minikv run is profiled too (`minikv.bench.profile`) and its breakdown printed
+under the table (vLLM's server has no such record).
 """
 
 from __future__ import annotations
