@@ -231,7 +231,31 @@ def control_batches(b: dict, most: int = 3) -> list[int]:
 
 def offline_steps(args, batches: list[int], prompt_len: int, steps: int = 6, seed: int = 0) -> dict[int, dict]:
     """Decode-only steps of the same model and engine flags in this process, no server (no event loop, no
-    HTTP, no other thread): per batch size, the mean and spread of `steps` step durations (after one warm-up)."""
+    HTTP): per batch size, the mean and spread of `steps` step durations (after one warm-up).
+
+    The engine steps on a thread of its own, as the server's engine thread does: on this 2-core machine under
+    load, the same engine in one process measured 0.6-4 s a batch-4 step stepped from the main thread against
+    ~0.2 s from another thread (why is not isolated), so a main-thread run is no control for the server."""
+    import threading
+
+    out: dict[int, dict] = {}
+    failed: list[BaseException] = []
+
+    def run():
+        try:
+            out.update(_offline_steps(args, batches, prompt_len, steps, seed))
+        except BaseException as err:   # re-raised in the caller
+            failed.append(err)
+
+    worker = threading.Thread(target=run, name="minikv-control")
+    worker.start()
+    worker.join()
+    if failed:
+        raise failed[0]
+    return out
+
+
+def _offline_steps(args, batches: list[int], prompt_len: int, steps: int, seed: int) -> dict[int, dict]:
     import torch
 
     from minikv.config import EngineConfig
