@@ -233,17 +233,27 @@ def offline_steps(args, batches: list[int], prompt_len: int, steps: int = 6, see
     """Decode-only steps of the same model and engine flags in this process, no server (no event loop, no
     HTTP): per batch size, the mean and spread of `steps` step durations (after one warm-up).
 
-    The engine steps on a thread of its own, as the server's engine thread does: on this 2-core machine under
-    load, the same engine in one process measured 0.6-4 s a batch-4 step stepped from the main thread against
-    ~0.2 s from another thread (why is not isolated), so a main-thread run is no control for the server."""
+    As in the server, the model loads on this thread and the engine steps on another. On this 2-core machine
+    under load it mattered (why is not isolated): one engine measured 0.6-4 s a batch-4 step from the thread
+    that loaded it, ~0.2 s from another thread; loading and stepping both on a worker thread was slow too."""
     import threading
 
+    import torch
+
+    from minikv.config import EngineConfig
+    from minikv.engine import LLMEngine
+    from minikv.models import load_model
+
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    engine = LLMEngine(model, tokenizer, EngineConfig.from_cli_args(args, verbose=False))
     out: dict[int, dict] = {}
     failed: list[BaseException] = []
 
     def run():
         try:
-            out.update(_offline_steps(args, batches, prompt_len, steps, seed))
+            out.update(_decode_steps(engine, batches, prompt_len, steps, seed))
         except BaseException as err:   # re-raised in the caller
             failed.append(err)
 
@@ -255,18 +265,9 @@ def offline_steps(args, batches: list[int], prompt_len: int, steps: int = 6, see
     return out
 
 
-def _offline_steps(args, batches: list[int], prompt_len: int, steps: int, seed: int) -> dict[int, dict]:
-    import torch
-
-    from minikv.config import EngineConfig
-    from minikv.engine import LLMEngine
-    from minikv.models import load_model
+def _decode_steps(engine, batches: list[int], prompt_len: int, steps: int, seed: int) -> dict[int, dict]:
     from minikv.sampling import SamplingParams
 
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
-    engine = LLMEngine(model, tokenizer, EngineConfig.from_cli_args(args, verbose=False))
     rng = np.random.default_rng(seed)
     # Prefill the largest batch once, then abort requests down to each smaller size: one prefill in all.
     batches = sorted(batches, reverse=True)
