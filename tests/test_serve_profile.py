@@ -63,7 +63,7 @@ def test_the_profile_endpoint_switches_and_refuses_bad_bodies():
         got = httpx.post(f"{url}/debug/profile", json={"on": False}).json()
         assert got["on"] is False and len(got["steps"]) == 3, "one prefill step and two decode steps"
         row = got["steps"][0]
-        assert row["prefill_tokens"] == 3 and row["duration"] > 0 and row["forward_s"] > 0
+        assert row["prefill_tokens"] == 3 and row["duration"] > 0 and row["forward"] > 0
         assert httpx.get(f"{url}/debug/profile").json() == {"on": False}
     finally:
         log = stop_server(proc)
@@ -71,7 +71,7 @@ def test_the_profile_endpoint_switches_and_refuses_bad_bodies():
 
 
 def _row(step, end, duration, forward, prefill=0, decode=1):
-    return {"step": step, "time": end, "duration": duration, "forward_s": forward, "prefill_tokens": prefill,
+    return {"step": step, "time": end, "duration": duration, "forward": forward, "prefill_tokens": prefill,
             "decode_tokens": decode, "ret": end + 0.001, "post_s": 0.002, "book_s": 0.001, "after_cpu_s": 0.003,
             "call": end - duration, "step_cpu_s": duration, "before_s": 0.0, "before_cpu_s": 0.0,
             "before_inbox_s": 0.0, "before_idle_s": 0.0}

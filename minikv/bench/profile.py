@@ -73,7 +73,7 @@ def step_parts(rows: list[dict]) -> dict[int, dict]:
             continue
         start = r["time"] - r["duration"]
         gap = start - prev["time"]
-        p = {"forward": r["forward_s"], "step_rest": r["duration"] - r["forward_s"],
+        p = {"forward": r["forward"], "step_rest": r["duration"] - r["forward"],
              "output": prev["ret"] - prev["time"], "post": prev["post_s"], "book": prev["book_s"],
              "inbox": r["before_inbox_s"], "idle": r["before_idle_s"]}
         p["gap_other"] = gap - sum(p[k] for k in ("output", "post", "book", "inbox", "idle"))
@@ -209,7 +209,7 @@ def breakdown(results: list, prof: dict) -> dict:
     by_batch: dict[int, list] = {}
     for r in inrun:
         if not r["prefill_tokens"]:
-            by_batch.setdefault(r["decode_tokens"], []).append((r["duration"], r["forward_s"]))
+            by_batch.setdefault(r["decode_tokens"], []).append((r["duration"], r["forward"]))
     mixed = [r for r in inrun if r["prefill_tokens"]]
     batches = {b: {"steps": len(v), "duration_ms": _mean([d for d, _ in v]) * 1e3,
                    "forward_ms": _mean([f for _, f in v]) * 1e3} for b, v in sorted(by_batch.items())}

@@ -74,14 +74,14 @@ class LoopProfile:
     """The engine thread's timings around each step, and the event loop's, while a profile is on.
 
     Rows (engine thread, one per recorded step): the engine's `StepStats` of the step (``step``, ``time``
-    = its end, ``duration``, the batch: ``decode_tokens``, ``prefill_tokens``, ``num_running`` ...) plus
-    ``call`` / ``ret`` (perf_counter just before `engine.step()` and when it returned: ``ret - time`` is the
-    output processing after the engine's record), ``forward_s`` (inside the runner's `execute`), ``step_cpu_s``
-    (this thread's CPU time in `step()`), ``post_s`` (posting the outputs), ``book_s`` (reading the engine's
-    stats, metrics, landlord, admission), ``after_cpu_s`` (this thread's CPU time from ``ret`` to the end of
-    the bookkeeping), and for the stretch before the next step, from the bookkeeping's end to ``call``:
-    ``before_s`` (wall), ``before_inbox_s`` (applying adds/aborts), ``before_idle_s`` (blocked on an empty
-    inbox or sleeping), ``before_cpu_s`` (this thread's CPU time in it).
+    = its end, ``duration``, ``forward`` = its seconds in the runner, the batch: ``decode_tokens``,
+    ``prefill_tokens``, ``num_running`` ...) plus ``call`` / ``ret`` (perf_counter just before
+    `engine.step()` and when it returned: ``ret - time`` is the output processing after the engine's
+    record), ``step_cpu_s`` (this thread's CPU time in `step()`), ``post_s`` (posting the outputs),
+    ``book_s`` (reading the engine's stats, metrics, landlord, admission), ``after_cpu_s`` (this thread's
+    CPU time from ``ret`` to the end of the bookkeeping), and for the stretch before the next step, from
+    the bookkeeping's end to ``call``: ``before_s`` (wall), ``before_inbox_s`` (applying adds/aborts),
+    ``before_idle_s`` (blocked on an empty inbox or sleeping), ``before_cpu_s`` (this thread's CPU time in it).
     The event loop adds its lag samples and the time it spends serialising stream chunks.
     """
 
@@ -153,8 +153,6 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="minikv-engine", daemon=True)
         self.error: BaseException | None = None
         self.profile: LoopProfile | None = None  # set and cleared by the event loop (/debug/profile)
-        self._forward_s = 0.0                   # runner.execute's seconds, summed by the timer once installed
-        self._timed_runner = False
         self._idle_s = 0.0                      # blocked on an empty inbox or sleeping, since the last step
         self._inbox_s = 0.0                     # applying the inbox's adds and aborts, since the last step
 
@@ -222,9 +220,7 @@ class EngineLoop:
                         self._idle_s += time.perf_counter() - t
                 if self._live:
                     prof = self.profile
-                    if prof is not None and not self._timed_runner:
-                        self._time_runner()
-                    call, cpu_call, forward0 = time.perf_counter(), time.thread_time(), self._forward_s
+                    call, cpu_call = time.perf_counter(), time.thread_time()
                     outputs = self.engine.step()
                     ret, cpu_ret = time.perf_counter(), time.thread_time()
                     last = self.engine.stats(history=1).last_step
@@ -243,7 +239,7 @@ class EngineLoop:
                     end, cpu_end = time.perf_counter(), time.thread_time()
                     if prof is not None and last is not None:   # a step ran: record it
                         prof.add(asdict(last) | {
-                            "call": call, "ret": ret, "forward_s": self._forward_s - forward0,
+                            "call": call, "ret": ret,
                             "step_cpu_s": cpu_ret - cpu_call, "post_s": posted - read,
                             "book_s": end - posted + read - ret, "after_cpu_s": cpu_end - cpu_ret,
                             "before_s": None if end_prev is None else call - end_prev,
@@ -257,21 +253,6 @@ class EngineLoop:
                 self.accepting = False
             self._fail_all(f"the engine failed ({type(err).__name__}: {err}); the server log has the details")
             raise
-
-    def _time_runner(self) -> None:
-        """Sum the seconds spent in the runner's `execute` (the forward), from the first profile on: two clock
-        reads a step, so it stays installed."""
-        runner, execute = self.engine.runner, self.engine.runner.execute
-
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return execute(*args, **kwargs)
-            finally:
-                self._forward_s += time.perf_counter() - t
-
-        runner.execute = timed
-        self._timed_runner = True
 
     def _fail_all(self, why: str) -> None:
         """The engine thread is dying: every request it knows of, live, held or still in the inbox, hears `why`."""
