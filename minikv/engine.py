@@ -249,8 +249,9 @@ class LLMEngine:
             batch = self._schedule()
             self._preemptions = batch.preemptions
             if batch.scheduled:
+                t1 = time.perf_counter()
                 logits = self._execute(batch)
-                changed += self._postprocess(batch, logits, t0)
+                changed += self._postprocess(batch, logits, t0, time.perf_counter() - t1)
             return changed
 
     def _schedule(self) -> SchedulerOutput:
@@ -280,7 +281,8 @@ class LLMEngine:
                          self.bm.block_table(s.seq.seq_id), s.slots, s.wants_logits) for s in batch.scheduled]
         return self.runner.execute(steps)
 
-    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor, t0: float) -> list[RequestOutput]:
+    def _postprocess(self, batch: SchedulerOutput, logits: torch.Tensor, t0: float,
+                     forward: float) -> list[RequestOutput]:
         """Sample, append each token, retire what finished, record the step's numbers."""
         seqs, tokens = self._sample(batch, logits)
         now = time.perf_counter()
@@ -293,7 +295,7 @@ class LLMEngine:
             if req.finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
-        self._record(batch, t0, now)
+        self._record(batch, t0, now, forward)
         return [self.output_processor.emit(req) for req in touched.values()]
 
     def _sample(self, batch: SchedulerOutput, logits: torch.Tensor) -> tuple[list[Sequence], list[int]]:
@@ -313,7 +315,7 @@ class LLMEngine:
         with span(SPAN_SAMPLE):
             return seqs, sample(logits, [s.request.params for s in seqs], [s.generator for s in seqs])
 
-    def _record(self, batch: SchedulerOutput, t0: float, now: float) -> None:
+    def _record(self, batch: SchedulerOutput, t0: float, now: float, forward: float) -> None:
         """One row of the step history; the oldest rows go once it holds STEP_HISTORY (a server runs for days)."""
         sched, bm = self.scheduler, self.bm
         if len(self.step_stats) >= STEP_HISTORY:
@@ -323,7 +325,7 @@ class LLMEngine:
             num_waiting=len(sched.waiting), num_swapped=len(sched.swapped),
             blocks_used=self.num_blocks - bm.num_free_blocks, blocks_cached=bm.num_evictable_blocks,
             blocks_free=bm.num_free_blocks, prefill_tokens=batch.prefill_tokens, decode_tokens=batch.decode_tokens,
-            preemptions=len(batch.preempted)))
+            preemptions=len(batch.preempted), forward=forward))
         self._num_steps += 1
 
     # -- the landlord's view (read-only; stage 7's live page) ----------------------------------------

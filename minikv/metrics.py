@@ -101,6 +101,7 @@ class StepStats:
     prefill_tokens: int
     decode_tokens: int
     preemptions: int
+    forward: float = 0.0     # seconds of it in the runner (block operations + the forward; on a GPU, until sampled)
 
     @property
     def tokens_scheduled(self) -> int:

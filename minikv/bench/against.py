@@ -6,11 +6,12 @@ Both servers run on loopback and serve SmolLM2 (vLLM from its own virtualenv, `.
 completions go to both (same prompt token ids, EOS ignored) and their texts are compared; then each
 rate's load runs against minikv, then against vLLM, back to back, and one table prints both. On a
 shared machine the neighbours move both columns: read the ratios, not the absolute figures.
+With ``--profile`` the minikv run is profiled too (`minikv.bench.profile`) and its breakdown printed
+under the table (vLLM's server has no such record).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import tempfile
@@ -96,7 +97,8 @@ def run(args, rates) -> int:
     """The --against vllm run; `args` are bench serve's parsed arguments."""
     import httpx
 
-    from minikv.bench.serve import make_requests, report, run_load, server_flags, start_server, stop_server
+    from minikv.bench.profile import print_breakdown
+    from minikv.bench.serve import make_requests, profiled_load, report, server_flags, start_server, stop_server
     from minikv.models import cache_dir
 
     minikv_proc = vllm_proc = None
@@ -122,11 +124,13 @@ def run(args, rates) -> int:
             reps = {}
             for name, url in urls.items():
                 model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-                done = asyncio.run(run_load(url, model, requests, rate, args.seed + i, args.timeout,
-                                            max_concurrency=args.max_concurrency))
+                done = profiled_load(url, model, requests, rate, args.seed + i, args,
+                                     args.profile and name == "minikv")
                 reps[name] = report(done, rate, args.slo_ttft, args.slo_tpot)
                 failed += reps[name]["failed"]
             side_by_side(rate, reps)
+            if reps["minikv"].get("profile") is not None:
+                print_breakdown(reps["minikv"]["profile"])
         return 0 if failed == 0 else 1
     finally:
         for proc in (vllm_proc, minikv_proc):

@@ -15,7 +15,9 @@ generates exactly its length) and the client records when each chunk of tokens a
   preemptions and prefix-cache hits over time;
 * **the wobble**: each request's largest inter-token gap against how often the engine preempted
   it (the server's ``minikv.preemptions`` field), their correlation, and how much of the ITL tail
-  the preempted requests own. A pool small enough to preempt (``--num-blocks``) shows it.
+  the preempted requests own. A pool small enough to preempt (``--num-blocks``) shows it;
+* ``--profile``: where a served token's time goes, the server's per-step record joined with the
+  client's clock (`minikv.bench.profile`): TPOT and TTFT split into measured terms.
 
 ``--url`` points it at a running server (loopback only); without it, it starts ``minikv serve``
 itself on a free loopback port with the given engine flags and stops it afterwards.
@@ -41,6 +43,15 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from minikv.bench.profile import (
+    breakdown,
+    compare_control,
+    control_batches,
+    offline_steps,
+    print_breakdown,
+    print_control,
+    switch,
+)
 from minikv.config import add_engine_args, engine_flags
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -65,6 +76,8 @@ class Result:
     preemptions: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    stamps: list[dict] = field(default_factory=list)   # --profile: the server's stamp of each chunk in chunk_times
+    server: dict | None = None                          # the server's own figures of it (the `minikv` field)
 
     @property
     def ok(self) -> bool:
@@ -93,10 +106,14 @@ class Result:
 
 def make_requests(n: int, seed: int, vocab_size: int, context: int, max_prompt: int, max_output: int,
                   shared_prefix: int, workload: str = "sharegpt") -> list[tuple[list[int], int]]:
-    """n (prompt token ids, output length) pairs: lengths from the course's trace, random ids, one shared prefix."""
-    from minikv.sim.traces import make_trace
+    """n (prompt token ids, output length) pairs: lengths from the course's trace (or, ``fixed``, exactly
+    ``max_prompt`` in and ``max_output`` out, as vLLM's benchmark's random dataset), random ids, one shared prefix."""
+    from minikv.sim.traces import TraceRequest, make_trace
 
-    trace = make_trace(workload, n, seed=seed, rate=None, max_seq_len=2048)
+    if workload == "fixed":
+        trace = [TraceRequest(i, 0, max_prompt, max_output) for i in range(n)]
+    else:
+        trace = make_trace(workload, n, seed=seed, rate=None, max_seq_len=2048)
     rng = np.random.default_rng(seed)
     low = min(100, vocab_size // 4)            # skip the special tokens at the start of the vocabulary
     prefix = rng.integers(low, vocab_size, shared_prefix).tolist()
@@ -155,8 +172,11 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
                     if n:
                         res.chunk_times.append(now)
                         res.chunk_tokens.append(n)
+                        if "minikv_profile" in chunk:
+                            res.stamps.append(chunk["minikv_profile"])
                     res.finish_reason = c.get("finish_reason") or res.finish_reason
                 if "minikv" in chunk:
+                    res.server = chunk["minikv"]
                     res.preemptions = chunk["minikv"].get("preemptions", 0)
                     res.cached_tokens = chunk["minikv"].get("cached_tokens", 0)
     except Exception as err:   # a dropped connection is a result too: reported, not raised
@@ -267,6 +287,7 @@ def report(run: dict, rate: float, slo_ttft: float, slo_tpot: float) -> dict:
         "prefix_hit_rate": hits / queried if queried else None,
         "timeline": timeline,
         "wobble": wobble(results),
+        "profile": breakdown(results, run["profile"]) if run.get("profile") is not None else None,
     }
 
 
@@ -411,7 +432,9 @@ def parse_args(argv):
     p.add_argument("--shared-prefix", type=int, default=0, help="tokens of one system prompt every request shares")
     p.add_argument("--max-prompt-len", type=int, default=256)
     p.add_argument("--max-output-len", type=int, default=64)
-    p.add_argument("--workload", default="sharegpt", help="length model of minikv.sim.traces (sharegpt, alpaca)")
+    p.add_argument("--workload", default="sharegpt", help="length model of minikv.sim.traces (sharegpt, alpaca), "
+                                                          "or fixed: every prompt --max-prompt-len tokens, every "
+                                                          "output --max-output-len (vLLM's random dataset)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft", type=float, default=2.0, help="goodput objective: TTFT seconds (default 2)")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="goodput objective: TPOT seconds (default 0.2)")
@@ -419,6 +442,12 @@ def parse_args(argv):
     p.add_argument("--timeout", type=float, default=600, help="seconds for each run in all (default 600)")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE", help="write the report as JSON (to stdout: -)")
     p.add_argument("--plot", metavar="PNG", help="draw occupancy, the wobble and (a sweep) latency vs load")
+    p.add_argument("--profile", action="store_true",
+                   help="also record the server's steps, engine thread and event loop (/debug/profile) and print "
+                        "where a served token's time goes (minikv.bench.profile)")
+    p.add_argument("--offline-control", action="store_true",
+                   help="with --profile and a server it starts: after the run, time decode steps of the same model "
+                        "and engine flags in this process, no server, at the batch sizes the run stepped most")
     v = p.add_argument_group("a peer (minikv.bench.against)")
     v.add_argument("--against", choices=("vllm",), help="run the same load against vLLM's server too, side by side")
     v.add_argument("--vllm-url", help="a running vLLM server (loopback); default: start one from .venv-vllm")
@@ -434,12 +463,25 @@ def parse_args(argv):
     if args.url and urlparse(args.url).hostname not in LOOPBACK:
         raise ValueError(f"--url must be a loopback address ({', '.join(sorted(LOOPBACK))}); this load generator "
                          f"does not load other machines, got {args.url}")
+    if args.offline_control and (not args.profile or args.url):
+        raise ValueError("--offline-control needs --profile and a server bench serve starts itself (no --url): "
+                         "it loads the same model with the same engine flags after stopping that server")
     if args.vllm_url and urlparse(args.vllm_url).hostname not in LOOPBACK:
         raise ValueError(f"--vllm-url must be a loopback address, got {args.vllm_url}")
     rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.rate]
     if any(not r > 0 for r in rates):
         raise ValueError(f"rates must be > 0 requests/s (inf for all at once), got {rates}")
     return args, rates
+
+
+def profiled_load(url: str, model: str, requests, rate: float, seed: int, args, profile: bool) -> dict:
+    """`run_load`, with the server's profile switched on around it when `profile` (the run's "profile")."""
+    if profile:
+        switch(url, True)
+    run = asyncio.run(run_load(url, model, requests, rate, seed, args.timeout, max_concurrency=args.max_concurrency))
+    if profile:
+        run["profile"] = switch(url, False)
+    return run
 
 
 def server_flags(args) -> list[str]:
@@ -465,16 +507,26 @@ def cli(argv: list[str]) -> int:
                   "shared_prefix": args.shared_prefix, "max_prompt_len": args.max_prompt_len,
                   "max_output_len": args.max_output_len, "workload": args.workload, "seed": args.seed,
                   "server_flags": None if args.url else server_flags(args), "started_server": proc is not None}
-        reports = []
+        reports, controls = [], []
         for i, rate in enumerate(rates):
             requests = make_requests(args.num_requests, args.seed + i, vocab, context, args.max_prompt_len,
                                      args.max_output_len, args.shared_prefix, args.workload)
-            run = asyncio.run(run_load(url, model, requests, rate, args.seed + i, args.timeout,
-                                       max_concurrency=args.max_concurrency))
+            run = profiled_load(url, model, requests, rate, args.seed + i, args, args.profile)
             rep = report(run, rate, args.slo_ttft, args.slo_tpot)
             reports.append(rep)
+            if args.offline_control and rep.get("profile") is not None:
+                controls.append(rep["profile"])
             if args.json != "-":
                 print_report(rep, config)
+                if rep.get("profile") is not None:
+                    print_breakdown(rep["profile"])
+        if controls:   # the server is stopped first: the control must not share the cores with it
+            stop_server(proc)
+            for prof in controls:
+                prof["control"] = compare_control(prof, offline_steps(args, control_batches(prof),
+                                                                      args.max_prompt_len))
+                if args.json != "-":
+                    print_control(prof)
         if len(reports) > 1 and args.json != "-":
             print(f"{'rate':>6}{'req/s':>8}{'tok/s':>8}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>8}"
                   f"{'ITL p99':>9}{'preempt':>9}")

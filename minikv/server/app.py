@@ -7,12 +7,20 @@ context / pool / seats) -> `EngineLoop.submit`
 (or 429 when ``max_waiting`` requests already wait) -> await the request's outbox, sending each
 update as server-sent-event chunks or collecting it into one response. If the client goes away
 before its request finishes, the handler aborts it; the engine frees its blocks within a step.
+
+``/debug/profile`` (POST ``{"on": true}`` / ``{"on": false}``, GET) switches the served-latency profile
+on and off and reads it (`EngineLoop.profile`, read by `minikv.bench.profile`): while it is on, the event
+loop measures its own lag (a callback every `LAG_EVERY` s, and how late it runs) and the time it spends
+serialising stream chunks, and every streamed chunk carries ``minikv_profile``: the engine step that made
+its tokens, when the engine thread posted it and when this loop picked it up (perf_counter seconds, one
+clock with a client on the same machine).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 import uuid
@@ -22,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minikv.server.engine_loop import EngineLoop, ServerClosing, Update
+from minikv.server.engine_loop import EngineLoop, LoopProfile, ServerClosing, Update
 from minikv.server.landlord import add_routes as add_landlord_routes
 from minikv.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse
 from minikv.server.responses import Choice, Envelope, extra, sse, usage
@@ -30,6 +38,7 @@ from minikv.server.tokens import add_routes as add_token_routes
 from minikv.validation import InvalidArgument
 
 log = logging.getLogger("minikv.server")
+LAG_EVERY = 0.01   # seconds between the profile's event-loop lag probes
 
 
 @dataclass
@@ -99,8 +108,43 @@ def create_app(state: ServerState) -> FastAPI:
     async def chat_completions(request: Request):
         return await _serve(request, state, ChatCompletionRequest, f"chatcmpl-{uuid.uuid4().hex[:16]}-{next(ids)}")
 
+    @app.get("/debug/profile")
+    async def profile(request: Request):
+        _check_key(request, state)
+        prof = state.loop.profile
+        return {"on": prof is not None, **(prof.as_dict() if prof is not None else {})}
+
+    @app.post("/debug/profile")
+    async def switch_profile(request: Request):
+        _check_key(request, state)
+        try:
+            on = json.loads(await _read_body(request, 1024) or b"{}").get("on")
+        except (ValueError, AttributeError):
+            on = None
+        if not isinstance(on, bool):
+            raise APIError(400, 'send {"on": true} to start a profile (it starts empty) or {"on": false} to '
+                                "stop it; GET /debug/profile reads it", "on")
+        prof, state.loop.profile = state.loop.profile, None
+        if prof is not None and prof.lag_task is not None:
+            prof.lag_task.cancel()
+        if on:
+            prof = LoopProfile()
+            prof.lag_task = asyncio.create_task(_watch_lag(prof))
+            state.loop.profile = prof
+        return {"on": on, **(prof.as_dict() if prof is not None else {})}
+
     add_token_routes(app, state, _check_key, _read_body)   # /tokenize, /detokenize, /version (vLLM's)
     return app
+
+
+async def _watch_lag(prof: LoopProfile) -> None:
+    """How late a callback scheduled every LAG_EVERY seconds runs: the time the event loop was busy elsewhere."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + LAG_EVERY
+        await asyncio.sleep(LAG_EVERY)
+        now = loop.time()
+        prof.lag.append((time.perf_counter(), max(0.0, now - due)))
 
 
 def _check_key(request: Request, state: ServerState) -> None:
@@ -171,6 +215,7 @@ async def _stream(state, request_id, outbox, env: Envelope, choices, req, prompt
         info = None
         while not finished:
             update: Update = await outbox.get()
+            prof, picked = state.loop.profile, time.perf_counter()
             finished = update.finished
             if update.error:
                 yield sse(APIError(update.error_status, update.error).body())
@@ -185,8 +230,15 @@ async def _stream(state, request_id, outbox, env: Envelope, choices, req, prompt
                 info = update.info
                 if chunks and not req.include_usage:
                     chunks[-1]["minikv"] = extra(info)
-            for chunk in chunks:
-                yield sse(chunk)
+            if prof is not None:   # profile: stamp each chunk, and time the serialising
+                for chunk in chunks:
+                    chunk["minikv_profile"] = {"step": update.step, "posted": update.posted, "picked": picked}
+            events = [sse(chunk) for chunk in chunks]
+            if prof is not None:
+                prof.serialise_s += time.perf_counter() - picked   # building the chunks and their JSON
+                prof.chunks += len(events)
+            for event in events:
+                yield event
         if req.include_usage and finished and info is not None:
             yield sse(env.usage_chunk(usage(info, choices, prompt_len)) | {"minikv": extra(info)})
         yield sse("[DONE]")

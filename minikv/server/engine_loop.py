@@ -18,6 +18,12 @@ kernels, so the event loop keeps parsing requests and writing chunks while a for
 A request that arrives mid-step waits in the inbox until that step ends and joins the batch at
 the next `schedule()`: continuous batching, seen from outside. A client that disconnects is
 aborted at the start of the next turn, i.e. within one step, and `abort_request` frees its blocks.
+
+Profiling (`bench serve --profile`, through ``/debug/profile``): while `profile` holds a `LoopProfile`,
+the thread records, per step, what it did around `engine.step()` (the forward's share of the step, the
+output posting, the bookkeeping, the inbox and the idle wait before the next step, and its own CPU time
+in each, so waiting for the GIL or a core shows as wall time without CPU time). The batch and the step's
+duration are not recorded again: each row carries the engine's own `StepStats` of that step.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import asyncio
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import asdict, dataclass, field
 
 from minikv.outputs import SampleDelta
 from minikv.sampling import SamplingParams
@@ -43,6 +50,8 @@ class Update:
     error: str | None = None
     # 400: the engine refused the request; 429: admission refused it; 500: the engine failed
     error_status: int = 400
+    step: int | None = None                     # the engine step whose tokens these are (StepStats.step)
+    posted: float | None = None                 # perf_counter when the engine thread posted it (profiles)
 
 
 class ServerClosing(RuntimeError):
@@ -59,6 +68,43 @@ class _Live:
 
     def post(self, update: Update) -> None:
         self.loop.call_soon_threadsafe(self.outbox.put_nowait, update)
+
+
+class LoopProfile:
+    """The engine thread's timings around each step, and the event loop's, while a profile is on.
+
+    Rows (engine thread, one per recorded step): the engine's `StepStats` of the step (``step``, ``time``
+    = its end, ``duration``, ``forward`` = its seconds in the runner, the batch: ``decode_tokens``,
+    ``prefill_tokens``, ``num_running`` ...) plus ``call`` / ``ret`` (perf_counter just before
+    `engine.step()` and when it returned: ``ret - time`` is the output processing after the engine's
+    record), ``step_cpu_s`` (this thread's CPU time in `step()`), ``post_s`` (posting the outputs),
+    ``book_s`` (reading the engine's stats, metrics, landlord, admission), ``after_cpu_s`` (this thread's
+    CPU time from ``ret`` to the end of the bookkeeping), and for the stretch before the next step, from
+    the bookkeeping's end to ``call``: ``before_s`` (wall), ``before_inbox_s`` (applying adds/aborts),
+    ``before_idle_s`` (blocked on an empty inbox or sleeping), ``before_cpu_s`` (this thread's CPU time in it).
+    The event loop adds its lag samples and the time it spends serialising stream chunks.
+    """
+
+    def __init__(self, size: int = 1 << 14, lag_size: int = 1 << 16):
+        self._lock = threading.Lock()
+        self._rows: deque[dict] = deque(maxlen=size)
+        self.lag: deque[tuple[float, float]] = deque(maxlen=lag_size)   # (when, seconds late): event loop only
+        self.serialise_s = 0.0                                          # event loop only
+        self.chunks = 0
+        self.started = time.perf_counter()
+        self.lag_task = None                                            # the event loop's watcher (app.py)
+
+    def add(self, row: dict) -> None:
+        with self._lock:
+            self._rows.append(row)
+
+    def rows(self) -> list[dict]:
+        with self._lock:
+            return list(self._rows)
+
+    def as_dict(self) -> dict:
+        return {"started": self.started, "steps": self.rows(), "lag": list(self.lag),
+                "serialise_s": self.serialise_s, "chunks": self.chunks}
 
 
 # -- what crosses the inbox, handler side -> engine thread ----------------------------------------------
@@ -106,6 +152,9 @@ class EngineLoop:
         self.accepting = True
         self._thread = threading.Thread(target=self._run, name="minikv-engine", daemon=True)
         self.error: BaseException | None = None
+        self.profile: LoopProfile | None = None  # set and cleared by the event loop (/debug/profile)
+        self._idle_s = 0.0                      # blocked on an empty inbox or sleeping, since the last step
+        self._inbox_s = 0.0                     # applying the inbox's adds and aborts, since the last step
 
     def start(self) -> None:
         self._thread.start()
@@ -158,6 +207,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            end_prev = cpu_prev = None          # when the previous step's bookkeeping ended (wall, thread CPU)
             while True:
                 gate = self.gate
                 if not self._drain_inbox(block=not self._live and not (gate and gate.held)):
@@ -165,17 +215,38 @@ class EngineLoop:
                 if gate is not None and gate.held:
                     gate.release(self.engine, self.num_queued, self._step_s, self._add, self._refuse_held)
                     if not self._live:
+                        t = time.perf_counter()
                         time.sleep(0.01)   # held requests and an idle engine: ask again in a moment
+                        self._idle_s += time.perf_counter() - t
                 if self._live:
-                    self._post(self.engine.step())
+                    prof = self.profile
+                    call, cpu_call = time.perf_counter(), time.thread_time()
+                    outputs = self.engine.step()
+                    ret, cpu_ret = time.perf_counter(), time.thread_time()
                     last = self.engine.stats(history=1).last_step
-                    self._step_s = last.duration if last is not None else 0.0
+                    if last is not None and last.time < call:   # nothing was scheduled (only aborts came out)
+                        last = None
+                    read = time.perf_counter()
+                    self._post(outputs, None if last is None else last.step)
+                    posted = time.perf_counter()
+                    self._step_s = last.duration if last is not None else self._step_s
                     if gate is not None:
                         gate.snapshot(self.engine, self.num_queued, self._step_s)
                     if self.metrics is not None:
                         self.metrics.after_step(self.engine, bool(self._live))
                     if self.landlord is not None:   # throttled inside; the last step before idling always lands
                         self.landlord.after_step(self.engine, force=not self._live)
+                    end, cpu_end = time.perf_counter(), time.thread_time()
+                    if prof is not None and last is not None:   # a step ran: record it
+                        prof.add(asdict(last) | {
+                            "call": call, "ret": ret,
+                            "step_cpu_s": cpu_ret - cpu_call, "post_s": posted - read,
+                            "book_s": end - posted + read - ret, "after_cpu_s": cpu_end - cpu_ret,
+                            "before_s": None if end_prev is None else call - end_prev,
+                            "before_cpu_s": None if cpu_prev is None else cpu_call - cpu_prev,
+                            "before_inbox_s": self._inbox_s, "before_idle_s": self._idle_s})
+                    end_prev, cpu_prev = end, cpu_end
+                    self._idle_s = self._inbox_s = 0.0
         except BaseException as err:   # a bug: tell every waiting client instead of leaving it hanging
             self.error = err
             with self._lock:
@@ -201,14 +272,22 @@ class EngineLoop:
                 self._refuse_held(item, why, 500)
 
     def _drain_inbox(self, block: bool) -> bool:
-        """Apply every queued add/abort; False once a drain asked the thread to stop."""
+        """Apply every queued add/abort; False once a drain asked the thread to stop.
+
+        The time blocked on an empty inbox counts as idle, the rest as inbox work (`LoopProfile`)."""
+        t = time.perf_counter()
         while True:
             try:
                 item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
             except queue.Empty:
                 if block:
                     continue
+                self._inbox_s += time.perf_counter() - t
                 return True
+            if block:
+                now = time.perf_counter()
+                self._idle_s += now - t
+                t = now
             block = False
             if isinstance(item, Add) and item.hold:
                 self.gate.held.append(item)
@@ -246,7 +325,7 @@ class EngineLoop:
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(add.prompt_tokens)
 
-    def _post(self, outputs) -> None:
+    def _post(self, outputs, step: int | None = None) -> None:
         now = time.perf_counter()
         for out in outputs:
             live = self._live.get(out.request_id)
@@ -264,6 +343,7 @@ class EngineLoop:
                 del self._live[out.request_id]
                 if self.metrics is not None:
                     self.metrics.after_finish(out.metrics, now)
+            update.step, update.posted = step, time.perf_counter()
             live.post(update)
 
     def _refuse_held(self, add: Add, reason: str, status: int = 429) -> None:
