@@ -1,7 +1,9 @@
 """Exercise 06 is a design exercise whose checks discriminate: the solution's policy passes every check, the
 untouched exercise fails each with "not implemented yet", the lecture's policy pasted into the hooks (the
-baseline itself) and the old transcription answer miss the objective, a policy that never fills the engine
-misses the forward-pass bound, and a policy that breaks an invariant is named."""
+baseline itself) and the old transcription answer miss the objective, admission headroom with the lecture's
+victim (the old hint) or with a bad victim misses it on long prompts among short ones, the lecture's admission
+with a good victim misses it on short requests, a policy that never fills the engine misses the forward-pass
+bound, and a policy that breaks an invariant is named."""
 
 import json
 from pathlib import Path
@@ -50,7 +52,19 @@ def old_ref_victim(needy, candidates):
     return best
 
 
+def headroom_admit(chunk, budget, need, free, running, block_size):
+    """The old hint, transcribed: keep one free block per running sequence, plus a spare."""
+    headroom = len(running) + 1 if running else 0
+    return chunk <= budget and need + headroom <= free
+
+
+def most_blocks_victim(needy, candidates):
+    """A bad victim: the candidate holding the most blocks (the most freed, and the most thrown away)."""
+    return max(candidates, key=lambda c: c[1])[0] if candidates else needy
+
+
 SEEDS = [0, 1, 2, 12345]
+FAMILIES = ["short", "mixed"]
 
 
 def test_the_solution_passes_every_check():
@@ -58,10 +72,11 @@ def test_the_solution_passes_every_check():
     assert all(r.passed for r in results), [(r.name, r.message) for r in results if not r.passed]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_the_solution_meets_the_objective_with_room(seed):
+def test_the_solution_meets_the_objective_with_room(seed, family):
     ns = namespace("solutions")
-    m = ex.objective(ns["my_admit"], ns["my_victim"], seed)
+    m = ex.objective(ns["my_admit"], ns["my_victim"], seed, family=family)
     assert ex.objective_verdict(m) is None
     assert m["recomputed"] <= 0.8 * m["base_recomputed"], m   # room below the 0.90 target: drawn seeds vary
     assert m["steps"] <= 1.08 * m["base_steps"], m
@@ -74,18 +89,22 @@ def test_the_untouched_exercise_is_not_implemented_in_every_check():
             check(ns)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("seed", SEEDS)
-def test_the_lectures_policy_is_the_baseline_and_misses_the_objective(seed):
-    m = ex.objective(lecture_admit, lecture_victim, seed)
+def test_the_lectures_policy_is_the_baseline_and_misses_the_objective(seed, family):
+    m = ex.objective(lecture_admit, lecture_victim, seed, family=family)
     assert (m["recomputed"], m["steps"]) == (m["base_recomputed"], m["base_steps"])  # it is the baseline
     verdict = ex.objective_verdict(m)
     assert verdict is not None and "Too many recomputed tokens" in verdict and "target <= 0.90x" in verdict
+    assert f"seed={seed}, family={family!r}" in verdict   # how to reproduce it
 
 
-def test_the_lectures_policy_fails_the_objective_check():
+@pytest.mark.parametrize("check", [ex.check_beats_the_baseline_on_short_requests_at_once,
+                                   ex.check_beats_the_baseline_with_long_prompts_among_short_ones])
+def test_the_lectures_policy_fails_the_objective_checks(check):
     ns = {"my_admit": lecture_admit, "my_victim": lecture_victim}
     with pytest.raises(AssertionError, match=r"recomputed tokens: baseline \d+, yours \d+ \(1\.00x"):
-        ex.check_fewer_recomputed_tokens_than_the_lectures_baseline(ns)
+        check(ns)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -93,11 +112,32 @@ def test_the_old_transcribed_answer_misses_the_objective(seed):
     assert ex.objective_verdict(ex.objective(old_ref_admit, old_ref_victim, seed)) is not None
 
 
-def test_admitting_only_into_an_empty_engine_misses_the_step_bound():
+@pytest.mark.parametrize("victim", [lecture_victim, most_blocks_victim], ids=["lecture victim", "most blocks"])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_admission_headroom_alone_misses_the_objective_where_the_victim_decides(seed, victim):
+    """Headroom passes the short-request family whatever the victim; with long prompts among short ones the
+    victim decides, and neither the lecture's (the most recently admitted) nor the biggest one is enough."""
+    assert ex.objective_verdict(ex.objective(headroom_admit, victim, seed, family="short")) is None
+    verdict = ex.objective_verdict(ex.objective(headroom_admit, victim, seed, family="mixed"))
+    assert verdict is not None and "Too many recomputed tokens" in verdict, verdict
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_good_victim_alone_misses_the_objective_where_admission_decides(seed):
+    """The solution's victim with the lecture's admission: enough with long prompts among short ones, where the
+    victim decides, and not on short requests at once, where admission does."""
+    victim = namespace("solutions")["my_victim"]
+    assert ex.objective_verdict(ex.objective(lecture_admit, victim, seed, family="mixed")) is None
+    verdict = ex.objective_verdict(ex.objective(lecture_admit, victim, seed, family="short"))
+    assert verdict is not None and "Too many recomputed tokens" in verdict, verdict
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_admitting_only_into_an_empty_engine_misses_the_step_bound(family):
     def one_at_a_time(chunk, budget, need, free, running, block_size):
         return chunk <= budget and need <= free and not running
 
-    verdict = ex.objective_verdict(ex.objective(one_at_a_time, lecture_victim, 0))
+    verdict = ex.objective_verdict(ex.objective(one_at_a_time, lecture_victim, 0, family=family))
     assert verdict is not None and "Too many forward passes" in verdict
 
 

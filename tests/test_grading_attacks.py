@@ -422,6 +422,28 @@ PASTES = {
             "def my_victim(needy, candidates):\n"
             "    return candidates[-1][0] if candidates else needy\n"),
     }),
+    # The old stub's hint ("keep one free block per running sequence, plus a spare"), with the lecture's victim: it
+    # passes on short requests at once, where admission decides, and misses where a long prompt is the last admitted.
+    "06 the old hint with the lecture's victim": ("06_continuous_batching.ipynb", {
+        "def my_admit": (
+            "def my_admit(chunk_tokens, budget_left, blocks_needed, free_blocks, running_tokens, block_size):\n"
+            "    headroom = len(running_tokens) + 1 if running_tokens else 0\n"
+            "    return chunk_tokens <= budget_left and blocks_needed + headroom <= free_blocks\n"),
+        "def my_victim": (
+            "def my_victim(needy, candidates):\n"
+            "    return candidates[-1][0] if candidates else needy\n"),
+    }),
+    # Today's hints and design questions taken literally: "every running sequence grows by a block every block_size
+    # tokens ... how much headroom is worth keeping, and for whom?" (a free block for each running sequence) and
+    # "who gave way, and what did the needy sequence get?" (give it the most: the candidate holding the most blocks).
+    "06 the hint transcribed": ("06_continuous_batching.ipynb", {
+        "def my_admit": (
+            "def my_admit(chunk_tokens, budget_left, blocks_needed, free_blocks, running_tokens, block_size):\n"
+            "    return chunk_tokens <= budget_left and blocks_needed + len(running_tokens) <= free_blocks\n"),
+        "def my_victim": (
+            "def my_victim(needy, candidates):\n"
+            "    return max(candidates, key=lambda c: c[1])[0] if candidates else needy\n"),
+    }),
     # The lecture's baseline (notebook 07 serves minikv.server.admission.BoundedFIFO), copied.
     "07 the lecture's policy pasted": ("07_landlord.ipynb", {
         "class MyPolicy": (

@@ -1,5 +1,6 @@
 """What exercise 06's notebook uses besides its own code: the seam that plugs a policy into minikv's
-scheduler, a fake-runner driver that measures a policy, and the scripted scenarios it shows.
+scheduler, a fake-runner driver that measures a policy, the two families of workloads the objective
+draws, and the scripted scenarios it shows.
 
 Public on purpose: the notebook imports these (``from minikv.grading.public.ex06_scheduler import
 SCENARIOS, objective, run_fake, use_policy``), and a submission's process may read this module. There
@@ -155,15 +156,17 @@ def run_fake(workload, admit, victim, max_steps: int = 3000) -> Run:
 
 # ---- the objective: your policy against the lecture's baseline on tight workloads ----------
 
-NUM_DRAWN = 40          # workloads per measurement
+NUM_DRAWN = {"short": 40, "mixed": 80}   # workloads per measurement, by family (the mixed ones vary more)
 MAX_RECOMPUTED = 0.90   # the target: recomputed tokens, yours / the baseline's, summed over the workloads
 MAX_STEPS = 1.10        # and forward passes, yours / the baseline's (no winning by admitting nobody)
 
 
 def tight_workload(rng: random.Random) -> dict:
-    """A memory-tight workload for the objective: 4-8 requests at once in a pool of at most half of what
+    """Short requests at once: 4-8 requests (prompts of 4-24 tokens) in a pool of at most half of what
     they need together (but enough for the largest alone), chunked prefill, recompute, no prefix cache
-    (so every recomputed token is preemption's waste)."""
+    (so every recomputed token is preemption's waste). Here admission decides: the most recently
+    admitted sequence is almost always also the one that has computed least, so the victim rule
+    hardly matters, while admitting into a pool the running sequences are about to grow into does."""
     bs = rng.choice([2, 4, 8])
     reqs = [([rng.randint(1, 90) for _ in range(rng.randint(4, 24))], rng.randint(4, 24))
             for _ in range(rng.randint(4, 8))]
@@ -174,15 +177,48 @@ def tight_workload(rng: random.Random) -> dict:
                 requests=reqs)
 
 
-def objective(admit, victim, seed: int, n: int = NUM_DRAWN) -> dict:
-    """Serve `n` tight workloads (drawn from `seed`) under the lecture's baseline (minikv's default policy)
-    and under (admit, victim): recomputed tokens, forward passes and preemptions, summed. The grader
-    calls this with a seed drawn at grading time."""
+def mixed_workload(rng: random.Random) -> dict:
+    """A few long prompts among short ones: 6-8 requests at once, two of them (anywhere in the queue) with a
+    prompt of 150-300 tokens and 8-32 to generate, the others 4-16 prompt tokens and 32-96 to generate. The
+    pool holds every prompt with a block to spare for each, plus at most a quarter of what the outputs add:
+    any sane admission lets every request in at once, and the outputs' growth forces the preemptions. Here
+    the victim decides: the candidates differ tenfold in what they have computed, and the most recently
+    admitted one is as likely a long prompt as a short one."""
+    bs = rng.choice([2, 4, 8])
+    n = rng.randint(6, 8)
+    long = rng.sample(range(n), 2)
+    reqs = []
+    for i in range(n):
+        if i in long:
+            length, k = rng.randint(150, 300), rng.randint(8, 32)
+        else:
+            length, k = rng.randint(4, 16), rng.randint(32, 96)
+        reqs.append(([rng.randint(1, 90) for _ in range(length)], k))
+    prompts = sum(blocks_for(len(p), bs) for p, _ in reqs) + n + 1
+    total = sum(blocks_for(len(p) + k - 1, bs) for p, k in reqs)
+    need = max(blocks_for(len(p) + k - 1, bs) for p, k in reqs)
+    pool = prompts + int(rng.uniform(0, 0.25) * max(0, total - prompts))
+    # A budget of 512 tokens a step prefills any prompt in one step: no long prompt is caught half-prefilled
+    # with no block left and no candidate to evict (it would give way itself, whatever the victim rule).
+    return dict(block_size=bs, num_blocks=max(need + 1, pool), budget=512, chunked=True, caching=False,
+                mode="recompute", max_num_seqs=8, requests=reqs)
+
+
+# The objective's families of workloads, each graded on its own (a policy must beat the baseline on both).
+FAMILIES = {"short": tight_workload, "mixed": mixed_workload}
+
+
+def objective(admit, victim, seed: int, n: int | None = None, family: str = "short") -> dict:
+    """Serve `n` (default ``NUM_DRAWN[family]``) workloads of `family` ("short": `tight_workload`, "mixed":
+    `mixed_workload`), drawn from `seed`, under the lecture's baseline (minikv's default policy) and under
+    (admit, victim): recomputed tokens, forward passes and preemptions, summed. The grader calls this with a
+    seed drawn at grading time, once per family."""
+    n = n or NUM_DRAWN[family]
     rng = random.Random(seed)
-    ws = [tight_workload(rng) for _ in range(n)]
+    ws = [FAMILIES[family](rng) for _ in range(n)]
     base = [run_fake(w, None, None) for w in ws]
     mine = [run_fake(w, admit, victim) for w in ws]
-    return dict(seed=seed, n=n,
+    return dict(seed=seed, n=n, family=family,
                 base_recomputed=sum(r.recomputed for r in base), recomputed=sum(r.recomputed for r in mine),
                 base_steps=sum(r.steps for r in base), steps=sum(r.steps for r in mine),
                 base_preemptions=sum(r.preemptions for r in base), preemptions=sum(r.preemptions for r in mine))
