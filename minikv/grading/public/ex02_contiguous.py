@@ -65,9 +65,9 @@ class LearnersSlabs:
     def _ask(self, method: str, *args):
         self.calls += 1
         if self.call_limit is not None and self.calls > self.call_limit:
-            raise SlabsBroken(f"the run did not finish: {self.calls - 1:,} calls into your allocator and "
-                              f"{len(self.seqs)} requests still running (does grow or admit keep refusing what it "
-                              "could give?)")
+            raise SlabsBroken(f"the run did not finish within {self.call_limit:,} calls into your allocator "
+                              f"({CALL_LIMIT} per request of the trace), {len(self.seqs)} requests still running: "
+                              "does grow add a token at a time, or admit or grow keep refusing what they could give?")
         return call(getattr(self.mine, method), *args)
 
     def _read(self, what: str) -> dict[int, tuple[int, int]]:
