@@ -31,8 +31,8 @@ memory against copies and recomputation, and no rule of the lecture settles that
    `MAX_COPIED_PER_TOKEN` tokens copied by moves per output token (the cost model charges a copy at full
    bandwidth and no stall, which flatters it, so compaction storms are bounded separately).
 
-Measured with `objective`, seeds 0-29 (yours / the best shipped policy, which is Pow2 on every trace):
-see INSTRUCTORS.md's exercise-02 row and `SOLUTION_FIGURES` below.
+Measured with `objective` over seeds 0-29 (yours / the best shipped policy, Pow2 on every trace): see `TARGET`
+below and INSTRUCTORS.md's exercise-02 row, which also gives the command-line scores of the pastes.
 
 Delegation: the graded functions are plain Python over tuples and ints; minikv's own `first_fit`,
 `slab_waste`, `external_tokens` and the simulator's slab policies are forbidden in them (`FORBIDDEN`), in
@@ -311,13 +311,14 @@ def check_first_fit_in_the_simulator(ns):
 
 # ---- the design: MySlabs ---------------------------------------------------------------------------
 
-# The passing rule. Over seeds 0-29 the solution (reserve the prompt plus 128 tokens, grow by 128 in place or by a
-# move, admit only while 160 free tokens per running request remain) reaches SOLUTION_FIGURES; Pow2 itself is
-# 1.00x, the oracle (were it allowed) about 1.1x, Pow2 with admission headroom below 1.2x; compacting on every
-# failed growth reaches about 1.5x by copying 25-200 tokens per output token.
-TARGET = 1.25                # charged output tokens per second, yours / the best shipped policy's
+# The passing rule, measured with `objective` over seeds 0-29: the solution (reserve the prompt plus 128 tokens, grow
+# by 128 in place or by a move, admit only while 160 free tokens per running request remain) reached 1.35-1.46x,
+# copying 2.5-3.2 tokens per output token; Pow2 behind the seam is exactly 1.00x (1.05-1.19 copied), the lecture's
+# max-length slab 0.52-0.59x, the oracle (were it an answer) 1.06-1.23x. The target sits below the solution's worst
+# seed and above the oracle; the copy bound far above the solution, far below compacting on every failed growth
+# (a prototype copied 25 or more tokens per output token).
+TARGET = 1.25                # charged output tokens/s, yours / the best shipped policy's (mean over the traces)
 MAX_COPIED_PER_TOKEN = 8.0   # tokens copied by moves, per output token
-SOLUTION_FIGURES = "see INSTRUCTORS.md"
 
 
 def _tiny(n: int, seed: int, rate=None) -> list[TraceRequest]:
