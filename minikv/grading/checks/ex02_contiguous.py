@@ -384,7 +384,8 @@ def check_slabs_beat_the_lecture_policies(ns):
 
 
 # Each check's time budget under the grader (default: minikv.grading.grader.CHECK_SECONDS): a design check takes
-# a few seconds (about 15 calls into the sandbox per request); one that never returns fails within a minute.
+# a few seconds (about 9 calls into MySlabs per request, each with a read of `slabs`); one that never returns
+# fails within a minute.
 CHECK_SECONDS = {"check_slabs_keep_the_hard_limits": 60, "check_slabs_beat_the_lecture_policies": 60}
 
 CHECKS = [check_first_fit_edge_cases, check_first_fit_on_many_layouts,
