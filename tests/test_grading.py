@@ -334,3 +334,116 @@ def test_digest_does_not_flag_what_a_check_imports():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+# ---- exercise 02's design part: MySlabs against the lecture's policies ------------------------------------
+
+from minikv.grading.checks import ex02_contiguous as ex02  # noqa: E402
+from minikv.grading.public.ex02_contiguous import SlabsBroken, serve  # noqa: E402
+from minikv.sim.traces import make_trace  # noqa: E402
+
+
+def _solution_02() -> dict:
+    """The solution's graded cells, run here: `first_fit` and `MySlabs`."""
+    nb = nbformat.read(ROOT / "solutions" / "02_contiguous.ipynb", as_version=4)
+    ns: dict = {}
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.source.startswith(("def first_fit", "class MySlabs")):
+            exec(compile(cell.source, "<solution 02>", "exec"), ns)  # noqa: S102 - the course's own notebook
+    return ns
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345])
+def test_02_the_solution_meets_the_objective_with_room(seed):
+    m = ex02.objective(_solution_02()["MySlabs"], seed)
+    assert ex02.objective_verdict(m) is None, ex02.objective_verdict(m)
+    assert m["ratio"] >= ex02.TARGET + 0.05 and m["copied_per_token"] <= ex02.MAX_COPIED_PER_TOKEN / 2, m
+
+
+class _Pow2Slabs:
+    """The best shipped policy behind MySlabs' calls (minikv's ContiguousPow2, as the pastes use it)."""
+
+    def __init__(self, budget, max_seq_len):
+        from minikv.sim.policies import ContiguousPow2
+
+        self.pow2 = ContiguousPow2()
+        self.pow2.reset(budget, max_seq_len)
+        self.slabs = self.pow2.slab
+
+    def admit(self, seq_id, live):
+        return self.pow2.admit(type("S", (), {"id": seq_id, "live": live})())
+
+    def grow(self, seq_id, live):
+        return self.pow2.grow(type("S", (), {"id": seq_id, "live": live})())
+
+    def release(self, seq_id):
+        self.pow2.release(type("S", (), {"id": seq_id})())
+
+
+def test_02_the_best_shipped_policy_is_exactly_the_baseline_and_fails():
+    """Through the seam, minikv's Pow2 makes the same decisions as in the lecture: 1.00x, the same copies."""
+    m = ex02.objective(_Pow2Slabs, 3)
+    assert all(r["baseline"] == "contiguous pow2" and r["ratio"] == 1.0 for r in m["traces"]), m["traces"]
+    assert all(r["yours"]["copied_tokens"] == r["base"]["copied_tokens"] for r in m["traces"])
+    assert "the target is" in ex02.objective_verdict(m)
+
+
+def _broken(**changes):
+    """The solution's allocator with one method replaced by a rule breaker."""
+    return type("Broken", (_solution_02()["MySlabs"],), changes)
+
+
+def _overlap(self, seq_id, live):
+    self.slabs[seq_id] = (0, live + 1)
+    return True
+
+
+def _leak(self, seq_id):
+    pass
+
+
+def _beyond(self, seq_id, live):
+    self.slabs[seq_id] = (self.budget - live, live + 1)
+    return True
+
+
+def _resize_others(self, seq_id, live):
+    ok = _solution_02()["MySlabs"].grow(self, seq_id, live)
+    other = next((k for k in self.slabs if k != seq_id), None)
+    if other is not None:
+        self.slabs[other] = (self.slabs[other][0], self.slabs[other][1] - 1)
+    return ok
+
+
+def _never(self, seq_id, live):
+    return False
+
+
+@pytest.mark.parametrize("changes, said", [
+    ({"admit": _overlap}, "overlaps"),
+    ({"release": _leak}, "not running (a leak)"),
+    ({"grow": _beyond}, "not inside the budget"),
+    ({"grow": _resize_others}, "not resize them"),
+    ({"admit": _never}, "with nothing running"),
+    ({"grow": _never}, "runs alone"),
+], ids=["overlap", "leak", "beyond", "resize", "never-admit", "never-grow"])
+def test_02_each_hard_limit_is_named(changes, said):
+    with pytest.raises(SlabsBroken, match=said.replace("(", r"\(").replace(")", r"\)")):
+        for trace, budget in ex02.HARD_SCENARIOS.values():
+            serve(_broken(**changes), trace(), budget)
+
+
+def test_02_a_call_that_changes_nothing_is_not_asked_again():
+    """The seam skips re-asking a refused head when no call happened since (a deterministic allocator would
+    refuse again): the measurement is the same as asking every step, in fewer round trips."""
+    calls = {"admit": 0}
+    base = _solution_02()["MySlabs"]
+
+    class Counted(base):
+        def admit(self, seq_id, live):
+            calls["admit"] += 1
+            return base.admit(self, seq_id, live)
+
+    result = serve(Counted, make_trace("sharegpt", 60, seed=5))
+    assert int(result.timeline["finished"].sum()) == 60
+    assert calls["admit"] < result.steps, (calls, result.steps)

@@ -472,6 +472,147 @@ PASTES = {
     }),
 }
 
+# Exercise 02 (the bookkeeping has one right answer each; the design, MySlabs, decides 100%) and exercise 01.
+# minikv/sim/policies.py with the names the static look knows renamed (a paste that keeps them is flagged at once).
+PASTED_POLICIES = (ROOT / "minikv" / "sim" / "policies.py").read_text()
+for _old, _new in (("ContiguousPow2", "GrowingSlabs"), ("ContiguousOracle", "ExactSlabs"),
+                   ("ContiguousMax", "WorstCaseSlabs"), ("_Slabs", "SlabsBase"), ("external_tokens", "stranded")):
+    PASTED_POLICIES = PASTED_POLICIES.replace(_old, _new)
+
+
+def _solution_cell(notebook: str, start: str) -> str:
+    """A graded cell of the solution, as a learner who solved that part would have it."""
+    nb = nbformat.read(ROOT / "solutions" / notebook, as_version=4)
+    return next(c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith(start))
+
+
+_BOOKKEEPING_02 = {start: _solution_cell("02_contiguous.ipynb", start)
+                   for start in ("def first_fit", "def slab_waste", "def external_fragmentation")}
+PASTES.update({
+    # minikv/sim/policies.py as `inspect.getsource` prints it (first_fit, slab_waste, external_tokens, the slab
+    # policies; renamed), external_fragmentation as the simulator's books compute it, and the best shipped policy
+    # that does not know the future (ContiguousPow2) behind MySlabs' calls: the bookkeeping passes, the design is
+    # 1.00x. (The module goes into the last graded cell: paste_notebook finds each cell by a name the module has.)
+    "02 minikv's module pasted": ("02_contiguous.ipynb", {
+        "def first_fit": "# first_fit: pasted below\n",
+        "def slab_waste": "# slab_waste: pasted below\n",
+        "def external_fragmentation": (
+            "def external_fragmentation(slabs, budget, request_size):\n"
+            "    policy = ExactSlabs()\n"
+            "    policy.reset(budget, max_seq_len=budget)\n"
+            "    for i, slab in enumerate(slabs):\n"
+            "        policy.slab[i] = slab\n"
+            "    policy.used = sum(s for _, s in slabs)\n"
+            "    head = Seq(TraceRequest(len(slabs), 0, request_size, 0), request_size)\n"
+            "    return stranded(policy, None if policy.admit(head) else head)\n"),
+        "class MySlabs": PASTED_POLICIES + (
+            "\n\nfrom types import SimpleNamespace\n\n\n"
+            "class MySlabs:\n"
+            "    def __init__(self, budget, max_seq_len):\n"
+            "        self.pow2 = GrowingSlabs()\n"
+            "        self.pow2.reset(budget, max_seq_len)\n"
+            "        self.slabs = self.pow2.slab\n\n"
+            "    def admit(self, seq_id, live):\n"
+            "        return self.pow2.admit(SimpleNamespace(id=seq_id, live=live))\n\n"
+            "    def grow(self, seq_id, live):\n"
+            "        return self.pow2.grow(SimpleNamespace(id=seq_id, live=live))\n\n"
+            "    def release(self, seq_id):\n"
+            "        self.pow2.release(SimpleNamespace(id=seq_id))\n"),
+    }),
+    # The lecture's slab (notebook 02, section 1: reserve max_seq_len for every request at admission, placed first
+    # fit) as the design, with the bookkeeping solved.
+    "02 the lecture's policy pasted": ("02_contiguous.ipynb", {
+        **_BOOKKEEPING_02,
+        "class MySlabs": (
+            "class MySlabs:\n"
+            "    def __init__(self, budget, max_seq_len):\n"
+            "        self.budget, self.max_seq_len = budget, max_seq_len\n"
+            "        self.slabs = {}\n\n"
+            "    def admit(self, seq_id, live):\n"
+            "        offset = first_fit(list(self.slabs.values()), self.max_seq_len, self.budget)\n"
+            "        if offset is None:\n"
+            "            return False\n"
+            "        self.slabs[seq_id] = (offset, self.max_seq_len)\n"
+            "        return True\n\n"
+            "    def grow(self, seq_id, live):\n"
+            "        return live + 1 <= self.slabs[seq_id][1]\n\n"
+            "    def release(self, seq_id):\n"
+            "        del self.slabs[seq_id]\n"),
+    }),
+    # Every hint of the exercise taken literally: the bookkeeping's hints give its answers; the design's hints give
+    # the API: "a slab of at least `live` tokens (your first_fit helps)", "at least live + 1 tokens (in place, or
+    # moved)", "take its slab out of `slabs`", and nothing else kept.
+    "02 the hint transcribed": ("02_contiguous.ipynb", {
+        "def first_fit": (
+            "def first_fit(slabs, size, budget):\n"
+            "    end = 0\n"
+            "    for offset, length in sorted(slabs):\n"
+            "        if offset - end >= size:\n"
+            "            return end\n"
+            "        end = offset + length\n"
+            "    return end if budget - end >= size else None\n"),
+        "def slab_waste": (
+            "def slab_waste(size, live, final):\n"
+            "    filled = min(final, size)\n"
+            "    return live, filled - live, size - filled\n"),
+        "def external_fragmentation": (
+            "def external_fragmentation(slabs, budget, request_size):\n"
+            "    free = budget - sum(size for _, size in slabs)\n"
+            "    if request_size <= free and first_fit(slabs, request_size, budget) is None:\n"
+            "        return free\n"
+            "    return 0\n"),
+        "class MySlabs": (
+            "class MySlabs:\n"
+            "    def __init__(self, budget, max_seq_len):\n"
+            "        self.budget, self.max_seq_len = budget, max_seq_len\n"
+            "        self.slabs = {}\n\n"
+            "    def admit(self, seq_id, live):\n"
+            "        offset = first_fit(list(self.slabs.values()), live, self.budget)\n"
+            "        if offset is None:\n"
+            "            return False\n"
+            "        self.slabs[seq_id] = (offset, live)\n"
+            "        return True\n\n"
+            "    def grow(self, seq_id, live):\n"
+            "        offset, size = self.slabs.pop(seq_id)\n"
+            "        others = list(self.slabs.values())\n"
+            "        room = min([o for o, _ in others if o > offset], default=self.budget) - offset\n"
+            "        if live + 1 <= room:\n"
+            "            self.slabs[seq_id] = (offset, live + 1)\n"
+            "            return True\n"
+            "        moved = first_fit(others, live + 1, self.budget)\n"
+            "        if moved is not None:\n"
+            "            self.slabs[seq_id] = (moved, live + 1)\n"
+            "            return True\n"
+            "        self.slabs[seq_id] = (offset, size)\n"
+            "        return False\n\n"
+            "    def release(self, seq_id):\n"
+            "        del self.slabs[seq_id]\n"),
+    }),
+    # Exercise 01's hints taken literally: "first the bytes one token costs in ONE layer; then, layer by layer, how
+    # many tokens that layer keeps" and "the budget is what the reserve and the weights leave of the card; 0 if the
+    # weights alone do not fit", with the config's fields read as notebook 01 names them.
+    "01 the hint transcribed": ("01_bytes.ipynb", {
+        "def kv_cache_bytes": (
+            "def kv_cache_bytes(config, context_len, dtype_bytes):\n"
+            "    head_dim = config['hidden_size'] // config['num_attention_heads']\n"
+            "    one_layer = 2 * config['num_key_value_heads'] * head_dim * dtype_bytes\n"
+            "    window = config.get('sliding_window')\n"
+            "    kinds = config.get('layer_types', ['sliding_attention' if window else 'full_attention']\n"
+            "                       * config['num_hidden_layers'])\n"
+            "    total = 0\n"
+            "    for kind in kinds:\n"
+            "        total += one_layer * (min(context_len, window) if kind == 'sliding_attention' else context_len)\n"
+            "    return total\n"),
+        "def conversations_that_fit": (
+            "def conversations_that_fit(config, num_params, gpu_memory_bytes, context_len, dtype_bytes=2,\n"
+            "                           reserve_fraction=0.10):\n"
+            "    budget = gpu_memory_bytes * (1 - reserve_fraction) - num_params * dtype_bytes\n"
+            "    if budget <= 0:\n"
+            "        return 0\n"
+            "    return int(budget // kv_cache_bytes(config, context_len, dtype_bytes))\n"),
+    }),
+})
+
 
 def paste_notebook(name: str, folder: Path) -> Path:
     """The untouched exercise with each graded cell (found by how it starts) replaced by the paste."""
