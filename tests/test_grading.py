@@ -334,3 +334,80 @@ def test_digest_does_not_flag_what_a_check_imports():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+# ---- exercise 03's design part: few runs per sequence, against minikv's free list -----------------------
+
+def _ex03_run_allocator(folder: str = "solutions"):
+    """The notebook's `MyRunAllocator`, defined by running its imports and its cell."""
+    nb = json.loads((ROOT / folder / "03_paged.ipynb").read_text())
+    ns: dict = {}
+    for cell in nb["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] == "code" and src.startswith("class MyRunAllocator"):
+            exec(compile("from minikv.blocks import OutOfBlocks\n" + src, f"<{folder} 03>", "exec"), ns)  # noqa: S102
+    return ns["MyRunAllocator"]
+
+
+class _Ex03Breaks:
+    """minikv's free list as a per-sequence allocator, with one rule broken (chosen by `how`)."""
+
+    how = ""
+
+    def __init__(self, num_blocks):
+        self.n, self.free_ids, self.tables = num_blocks, list(range(num_blocks)), {}
+
+    @property
+    def num_free(self):
+        return len(self.free_ids) + (1 if self.how == "miscount" else 0)
+
+    def allocate(self, seq_id, n):
+        from minikv.blocks import OutOfBlocks
+
+        if n > len(self.free_ids) or (self.how == "refuse" and n > 1 and len(self.free_ids) < self.n // 2):
+            raise OutOfBlocks(n, len(self.free_ids))
+        got = [self.free_ids.pop(0) for _ in range(n)]
+        if self.how == "twice" and self.tables and n:
+            got[-1] = next(iter(self.tables.values()))[0]  # a block another sequence holds
+        self.tables.setdefault(seq_id, []).extend(got)
+        return got
+
+    def free(self, seq_id):
+        blocks = self.tables.pop(seq_id)
+        self.free_ids += blocks[:-1] if self.how == "lose" and len(blocks) > 1 else blocks
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 12345])
+def test_ex03_solution_meets_the_objective_with_room_and_the_free_list_does_not(seed):
+    from minikv.grading.checks import ex03_paged as ex
+
+    m = ex.objective(_ex03_run_allocator(), seed)
+    assert ex.objective_verdict(m) is None and m["ratio"] <= ex.MAX_RUNS - 0.05, m  # room: drawn seeds vary
+    base = ex.objective(ex.FreeListBaseline, seed)
+    assert base["ratio"] == 1.0
+    verdict = ex.objective_verdict(base)
+    assert verdict is not None and f"objective(MyRunAllocator, seed={seed})" in verdict, verdict
+
+
+def test_ex03_the_objective_sees_the_same_events_whatever_the_allocator():
+    """Placement never changes what happens (admissions, preemptions, finishes): only where blocks lie."""
+    from minikv.grading.public.ex03_paged import FreeListBaseline, draw_traces, simulate
+
+    for trace in draw_traces(7, 3):
+        a, b = simulate(FreeListBaseline, trace), simulate(_ex03_run_allocator(), trace)
+        assert (a.moves, a.blocks, a.preemptions) == (b.moves, b.blocks, b.preemptions)
+        assert b.runs < a.runs and all(1 <= r for r in b.per_move)
+
+
+@pytest.mark.parametrize("how, message", [
+    ("twice", "handed out twice"), ("lose", "num_free"), ("miscount", "num_free"),
+    ("refuse", "must hand them out"),
+])
+def test_ex03_hard_limits_are_a_gate(how, message):
+    from minikv.grading.checks import ex03_paged as ex
+
+    broken = type(f"Breaks_{how}", (_Ex03Breaks,), {"how": how})
+    with pytest.raises(AssertionError, match=message):
+        ex.check_run_allocator_keeps_the_hard_limits({"MyRunAllocator": broken})
+    with pytest.raises(AssertionError):  # and the objective is not measured past a broken rule
+        ex.check_run_allocator_few_runs_on_drawn_traces({"MyRunAllocator": broken})
