@@ -11,7 +11,7 @@ hands a sequence blocks scattered all over the pool: nearly a run per block.
 
 Public on purpose: the notebook imports these (``from minikv.grading.public.ex03_paged import
 TRACES, objective, simulate``), and a submission's process may read this module. It holds no answer
-and no passing rule: the target lives in ``minikv/grading/checks/ex03_paged.py``.
+and no passing rule: the target lives in ``minikv/grading/checks/run_allocator.py``.
 """
 
 from __future__ import annotations
