@@ -447,3 +447,127 @@ def test_02_a_call_that_changes_nothing_is_not_asked_again():
     result = serve(Counted, make_trace("sharegpt", 60, seed=5))
     assert int(result.timeline["finished"].sum()) == 60
     assert calls["admit"] < result.steps, (calls, result.steps)
+
+# ---- exercise 03's design part: few runs per sequence, against minikv's free list -----------------------
+
+def _ex03_run_allocator(folder: str = "solutions"):
+    """The notebook's `MyRunAllocator`, defined by running its imports and its cell."""
+    nb = json.loads((ROOT / folder / "03_paged.ipynb").read_text())
+    ns: dict = {}
+    for cell in nb["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] == "code" and src.startswith("class MyRunAllocator"):
+            exec(compile("from minikv.blocks import OutOfBlocks\n" + src, f"<{folder} 03>", "exec"), ns)  # noqa: S102
+    return ns["MyRunAllocator"]
+
+
+class _Ex03Breaks:
+    """minikv's free list as a per-sequence allocator, with one rule broken (chosen by `how`)."""
+
+    how = ""
+
+    def __init__(self, num_blocks):
+        self.n, self.free_ids, self.tables = num_blocks, list(range(num_blocks)), {}
+
+    @property
+    def num_free(self):
+        return len(self.free_ids) + (1 if self.how == "miscount" else 0)
+
+    def allocate(self, seq_id, n):
+        from minikv.blocks import OutOfBlocks
+
+        if n > len(self.free_ids) or (self.how == "refuse" and n > 1 and len(self.free_ids) < self.n // 2):
+            raise OutOfBlocks(n, len(self.free_ids))
+        got = [self.free_ids.pop(0) for _ in range(n)]
+        if self.how == "twice" and self.tables and n:
+            got[-1] = next(iter(self.tables.values()))[0]  # a block another sequence holds
+        self.tables.setdefault(seq_id, []).extend(got)
+        return got
+
+    def free(self, seq_id):
+        blocks = self.tables.pop(seq_id)
+        self.free_ids += blocks[:-1] if self.how == "lose" and len(blocks) > 1 else blocks
+
+
+@pytest.mark.parametrize("seed", [0, 12345])
+def test_ex03_solution_meets_the_objective_with_room_and_the_free_list_does_not(seed):
+    from minikv.grading.checks import run_allocator as ex
+
+    m = ex.objective(_ex03_run_allocator(), seed)
+    assert ex.objective_verdict(m) is None and m["ratio"] <= ex.MAX_RUNS - 0.05, m  # room: drawn seeds vary
+    base = ex.objective(ex.FreeListBaseline, seed)
+    assert base["ratio"] == 1.0
+    verdict = ex.objective_verdict(base)
+    assert verdict is not None and f"objective(MyRunAllocator, seed={seed})" in verdict, verdict
+
+
+def test_ex03_the_objective_sees_the_same_events_whatever_the_allocator():
+    """Placement never changes what happens (admissions, preemptions, finishes): only where blocks lie."""
+    from minikv.grading.public.ex03_paged import FreeListBaseline, draw_traces, simulate
+
+    for trace in draw_traces(7, 3):
+        a, b = simulate(FreeListBaseline, trace), simulate(_ex03_run_allocator(), trace)
+        assert (a.moves, a.blocks, a.preemptions) == (b.moves, b.blocks, b.preemptions)
+        assert b.runs < a.runs and all(1 <= r for r in b.per_move)
+
+
+@pytest.mark.parametrize("how, message", [
+    ("twice", "handed out twice"), ("lose", "num_free"), ("miscount", "num_free"),
+    ("refuse", "must hand them out"),
+])
+def test_ex03_hard_limits_are_a_gate(how, message):
+    from minikv.grading.checks import run_allocator as ex
+
+    broken = type(f"Breaks_{how}", (_Ex03Breaks,), {"how": how})
+    with pytest.raises(AssertionError, match=message):
+        ex.check_run_allocator_keeps_the_hard_limits({"MyRunAllocator": broken})
+    with pytest.raises(AssertionError):  # and the objective is not measured past a broken rule
+        ex.check_run_allocator_few_runs_on_drawn_traces({"MyRunAllocator": broken})
+
+
+class _Ex03GrowInPlaceElseFreeList:
+    """The notebook's words taken literally: a sequence grows into the block right after its last one when it is free;
+    otherwise the free list's front (minikv's FIFO order)."""
+
+    def __init__(self, num_blocks):
+        from collections import deque
+
+        self.n, self.is_free, self.queue, self.tables = num_blocks, [True] * num_blocks, deque(range(num_blocks)), {}
+
+    @property
+    def num_free(self):
+        return sum(self.is_free)
+
+    def allocate(self, seq_id, n):
+        table, out = self.tables.setdefault(seq_id, []), []
+        for _ in range(n):
+            after = table[-1] + 1 if table else self.n
+            if not (after < self.n and self.is_free[after]):
+                while not self.is_free[self.queue[0]]:
+                    self.queue.popleft()
+                after = self.queue.popleft()
+            self.is_free[after] = False
+            table.append(after)
+            out.append(after)
+        return out
+
+    def free(self, seq_id):
+        for block in self.tables.pop(seq_id):
+            self.is_free[block] = True
+            self.queue.append(block)
+
+
+def test_ex03_objective_over_seeds_0_to_29():
+    """The solution passes every seed with room below the target; growing in place with minikv's free list behind it
+    (the notebook's words transcribed) fails every seed; minikv's free list is the baseline, exactly 1.00x."""
+    from minikv.grading.checks import run_allocator as ex
+
+    solution = _ex03_run_allocator()
+    designs = {"solution": solution, "grow in place, else the free list": _Ex03GrowInPlaceElseFreeList,
+               "minikv's free list": ex.FreeListBaseline}
+    ratios = {name: [ex.objective(cls, seed)["ratio"] for seed in range(30)] for name, cls in designs.items()}
+    for name, r in ratios.items():
+        print(f"{name}: {min(r):.3f}-{max(r):.3f}x minikv's free list's runs, seeds 0-29 (target <= {ex.MAX_RUNS}x)")
+    assert max(ratios["solution"]) <= ex.MAX_RUNS - 0.05, ratios["solution"]
+    assert min(ratios["grow in place, else the free list"]) > ex.MAX_RUNS + 0.05
+    assert set(ratios["minikv's free list"]) == {1.0}

@@ -1,6 +1,12 @@
 """Checks for exercise 03 (paged): the learner's `MyBlockAllocator` (LIFO), `MyBlockTable` (with a
 sliding window) and `my_paged_attention` (over a head-major pool), each compared with minikv's own on
-many inputs, then the allocator and the table together inside `PagedKVCache` driving a real model.
+many inputs, then the allocator and the table together inside `PagedKVCache` driving a real model;
+and a design, `MyRunAllocator`, graded against an objective that minikv's own allocator misses.
+
+The first eight checks teach the mechanics, and a paste of minikv's `blocks.py` and `attention.py`
+with small adapters passes them (their answers are variants of minikv's, so they must). Full marks take
+the design part (d), graded in `minikv.grading.checks.run_allocator` (why this design, the gate, the
+objective and its target are in its docstring), where nothing of minikv's passes.
 
 Notebook 03 prints minikv's FIFO allocator and plain block table, so the exercise asks for variants
 that need the same understanding but not the same code:
@@ -26,8 +32,9 @@ Every failure message names the failing input: the operation sequence, the shape
 
 Delegation: the graded classes and function may use `minikv.blocks.OutOfBlocks` and `blocks_for`
 (and torch); minikv's `BlockAllocator`, `BlockTable` and `minikv.attention.paged_attention_ref` (and
-the kernel) are forbidden in them (`FORBIDDEN`). Checks hand the learner's table a minikv
-`BlockAllocator` that lives in the grader: that one it may, and must, use.
+the kernel, and the objective's baseline `FreeListBaseline`) are forbidden in them (`FORBIDDEN`).
+Checks hand the learner's table a minikv `BlockAllocator` that lives in the grader: that one it may,
+and must, use.
 """
 
 from __future__ import annotations
@@ -42,39 +49,26 @@ from hypothesis import strategies as st
 from minikv.attention import paged_attention_ref, random_paged_inputs
 from minikv.blocks import BlockAllocator, BlockTable, blocks_for
 from minikv.grading import NotImplementedYet, call, learner, one_torch_thread, peek, run_hypothesis
+from minikv.grading.checks.run_allocator import (  # part (d), and the helpers the checks share
+    CLASS_STATE,
+    OUT_OF_BLOCKS_ERRORS,
+    _describe,
+    _outcome,
+    check_run_allocator_few_runs_on_drawn_traces,
+    check_run_allocator_keeps_the_hard_limits,
+)
 
-GRADED = ["MyBlockAllocator", "MyBlockTable", "my_paged_attention"]
+GRADED = ["MyBlockAllocator", "MyBlockTable", "my_paged_attention", "MyRunAllocator"]
 FORBIDDEN = ["minikv.blocks.BlockAllocator", "minikv.blocks.BlockTable", "minikv.attention.paged_attention_ref",
-             "minikv.paged.PagedKVCache", "kernels.paged_attention.paged_attention"]
+             "minikv.paged.PagedKVCache", "kernels.paged_attention.paged_attention",
+             "minikv.grading.public.ex03_paged.FreeListBaseline"]
 
 MANY = settings(max_examples=100, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
-OUT_OF_BLOCKS_ERRORS = (RuntimeError, MemoryError)  # minikv's OutOfBlocks is a RuntimeError
 TABLE_BLOCK_SIZES = (1, 2, 3, 5, 7, 16)
-# the likely cause of a flaky failure
-CLASS_STATE = "does your class keep state outside its instance (a list defined at class level, a global)?"
-
-
-
-
-def _outcome(fn):
-    """('ok', value) or ('raised', exception); a stub's NotImplementedError still stops the check."""
-    try:
-        return "ok", fn()
-    except NotImplementedYet:
-        raise
-    except Exception as err:  # noqa: BLE001 - the learner's code may raise anything; we describe it
-        return "raised", err
-
-
-def _describe(outcome) -> str:
-    kind, value = outcome
-    return f"returned {value!r}" if kind == "ok" else f"raised {type(value).__name__}: {value}"
 
 
 def _ints(values) -> list[int]:
     return [int(v) for v in values]
-
-
 
 
 # ---- (a) the allocator ----------------------------------------------------------------------
@@ -590,7 +584,11 @@ def check_real_model_with_your_allocator_and_table(ns):
                              f"expected all {num_blocks}: some block was not given back")
 
 
+# ---- (d) the design: few runs per sequence, in minikv/grading/checks/run_allocator.py -------------------
+
+
 CHECKS = [check_allocator_matches_minikv_on_random_operations, check_allocator_errors,
           check_block_table_slots, check_block_table_all_or_nothing, check_block_table_sliding_window,
           check_paged_attention_multi_head, check_paged_attention_grouped_query,
-          check_real_model_with_your_allocator_and_table]
+          check_real_model_with_your_allocator_and_table,
+          check_run_allocator_keeps_the_hard_limits, check_run_allocator_few_runs_on_drawn_traces]
