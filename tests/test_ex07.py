@@ -13,6 +13,8 @@ import pytest
 from minikv.grading.checks import ex07_admission as ex
 from minikv.server.admission import BoundedFIFO, normalize
 
+pytestmark = pytest.mark.design   # the exercise's objective, not the interpreter (.ci/run)
+
 SOLUTION = Path(__file__).resolve().parent.parent / "solutions" / "07_landlord.ipynb"
 
 

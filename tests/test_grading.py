@@ -121,6 +121,7 @@ def exercises_gradebook():
     return done, rows
 
 
+@pytest.mark.design
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
 def test_solution_scores_full_marks_from_the_command_line(solution, solutions_gradebook):
     done, rows = solutions_gradebook
@@ -130,12 +131,14 @@ def test_solution_scores_full_marks_from_the_command_line(solution, solutions_gr
     assert row["notes"] == "", f"a cell of {solution.name} raised under the grader: {row['notes']}"
 
 
+@pytest.mark.design
 def test_the_solutions_batch_exits_zero(solutions_gradebook):
     done, rows = solutions_gradebook
     assert done.returncode == 0 and len(rows) == len(SOLUTIONS), done.stdout + done.stderr[-3000:]
     assert f"{len(SOLUTIONS)}/{len(SOLUTIONS)} submissions with full marks" in done.stdout
 
 
+@pytest.mark.design
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
 def test_generated_exercise_scores_zero_from_the_command_line(solution, exercises_gradebook):
     done, rows = exercises_gradebook
@@ -353,6 +356,7 @@ def _solution_02() -> dict:
     return ns
 
 
+@pytest.mark.design
 @pytest.mark.parametrize("seed", [0, 1, 12345])
 def test_02_the_solution_meets_the_objective_with_room(seed):
     m = ex02.objective(_solution_02()["MySlabs"], seed)
@@ -380,6 +384,7 @@ class _Pow2Slabs:
         self.pow2.release(type("S", (), {"id": seq_id})())
 
 
+@pytest.mark.design
 def test_02_the_best_shipped_policy_is_exactly_the_baseline_and_fails():
     """Through the seam, minikv's Pow2 makes the same decisions as in the lecture: 1.00x, the same copies."""
     m = ex02.objective(_Pow2Slabs, 3)
@@ -419,6 +424,7 @@ def _never(self, seq_id, live):
     return False
 
 
+@pytest.mark.design
 @pytest.mark.parametrize("changes, said", [
     ({"admit": _overlap}, "overlaps"),
     ({"release": _leak}, "not running (a leak)"),
@@ -433,6 +439,7 @@ def test_02_each_hard_limit_is_named(changes, said):
             serve(_broken(**changes), trace(), budget)
 
 
+@pytest.mark.design
 def test_02_a_call_that_changes_nothing_is_not_asked_again():
     """The seam skips re-asking a refused head when no call happened since (a deterministic allocator would
     refuse again): the measurement is the same as asking every step, in fewer round trips."""
@@ -489,6 +496,7 @@ class _Ex03Breaks:
         self.free_ids += blocks[:-1] if self.how == "lose" and len(blocks) > 1 else blocks
 
 
+@pytest.mark.design
 @pytest.mark.parametrize("seed", [0, 12345])
 def test_ex03_solution_meets_the_objective_with_room_and_the_free_list_does_not(seed):
     from minikv.grading.checks import run_allocator as ex
@@ -501,6 +509,7 @@ def test_ex03_solution_meets_the_objective_with_room_and_the_free_list_does_not(
     assert verdict is not None and f"objective(MyRunAllocator, seed={seed})" in verdict, verdict
 
 
+@pytest.mark.design
 def test_ex03_the_objective_sees_the_same_events_whatever_the_allocator():
     """Placement never changes what happens (admissions, preemptions, finishes): only where blocks lie."""
     from minikv.grading.public.ex03_paged import FreeListBaseline, draw_traces, simulate
@@ -511,6 +520,7 @@ def test_ex03_the_objective_sees_the_same_events_whatever_the_allocator():
         assert b.runs < a.runs and all(1 <= r for r in b.per_move)
 
 
+@pytest.mark.design
 @pytest.mark.parametrize("how, message", [
     ("twice", "handed out twice"), ("lose", "num_free"), ("miscount", "num_free"),
     ("refuse", "must hand them out"),
@@ -557,6 +567,7 @@ class _Ex03GrowInPlaceElseFreeList:
             self.queue.append(block)
 
 
+@pytest.mark.design
 def test_ex03_objective_over_seeds_0_to_29():
     """The solution passes every seed with room below the target; growing in place with minikv's free list behind it
     (the notebook's words transcribed) fails every seed; minikv's free list is the baseline, exactly 1.00x."""
