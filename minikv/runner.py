@@ -328,7 +328,8 @@ class ModelRunner:
                              "not False): the gather path's plan changes shape from step to step")
         from minikv.speed.compile import WARM_UP_SEQS, WARM_UP_WIDTH, CompiledForward
 
-        compiled = self.compiled = CompiledForward(self.model)  # set first: the warm-up step runs through it
+        # Set first: the warm-up step runs through it. With packed linears the graph needs no freezing.
+        compiled = self.compiled = CompiledForward(self.model, freezing=self.packed is None)
         s, w, b = WARM_UP_SEQS, WARM_UP_WIDTH, self.block_size
         if self.num_blocks >= s * w:  # else it compiles on the first step that applies
             # A decode step over blocks that are all free now (what it writes there is overwritten later).
@@ -433,7 +434,10 @@ class ModelRunner:
         (``minikv.speed.graphs`` calls it with a plan over its persistent buffers, to capture it.)"""
         forward, packed = self.model, self.packed.active() if self.packed is not None else nullcontext()
         if self.compiled is not None and self.compiled.applies(plan):
-            forward, packed = self.compiled.forward, nullcontext()  # the graph prepacks its own weights
+            # The graph's matmuls are our packed_linear operator on the packed weights (minikv.speed.linears);
+            # without packed weights, inductor's own (freezing prepacks what it can).
+            forward = self.compiled.forward
+            packed = self.packed.active(graph=True) if self.packed is not None else nullcontext()
             self.compiled.steps += 1
         with self._paged_attention(), packed:
             out = forward(input_ids=input_ids, position_ids=position_ids, use_cache=False,

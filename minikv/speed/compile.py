@@ -39,9 +39,11 @@ WARM_UP_SEQS, WARM_UP_WIDTH = 5, 7
 class CompiledForward:
     """``torch.compile(model.forward, dynamic=True)`` and the rule for which steps it runs."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, freezing: bool = True):
         # freezing: weights are constants of the graph, so inductor can prepack them (inference only).
-        self.forward = torch.compile(model.forward, dynamic=True, options={"freezing": True})
+        # With our packed linears (the runner's default) the graph's matmuls are the packed_linear
+        # operator, which finds each weight's packed copy by the parameter itself: no freezing then.
+        self.forward = torch.compile(model.forward, dynamic=True, options={"freezing": freezing})
         self.startup_s = 0.0  # seconds spent compiling (the warm-up step), recorded by warm_up
         self.steps = 0  # steps run compiled
 
