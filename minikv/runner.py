@@ -278,7 +278,8 @@ class ModelRunner:
     ``prepack_linears=None`` prepacks the linear weights for oneDNN on the CPU in fp32 (see
     :class:`PackedLinears`); ``False`` keeps eager ``F.linear``.
     ``compile=True`` runs decode steps through ``torch.compile`` (see ``minikv.speed.compile``), compiling
-    once here: tens of seconds of start-up for a faster step.
+    once here: one to five minutes of start-up on two busy cores for a faster step (its matmuls stay on the
+    packed weights, through ``minikv.speed.linears.packed_linear``).
     ``decode_graphs=True`` runs decode steps of up to ``max_num_seqs`` sequences through CUDA graphs
     captured here (``minikv.speed.graphs``; on the CPU the same plan runs eagerly). Their padding rows
     need a scratch block no sequence is ever given, so the pool gets one block more than ``num_blocks``
