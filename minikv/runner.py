@@ -278,7 +278,8 @@ class ModelRunner:
     ``prepack_linears=None`` prepacks the linear weights for oneDNN on the CPU in fp32 (see
     :class:`PackedLinears`); ``False`` keeps eager ``F.linear``.
     ``compile=True`` runs decode steps through ``torch.compile`` (see ``minikv.speed.compile``), compiling
-    once here: tens of seconds of start-up for a faster step.
+    once here: one to five minutes of start-up on two busy cores for a faster step (its matmuls stay on the
+    packed weights, through ``minikv.speed.linears.packed_linear``).
     ``decode_graphs=True`` runs decode steps of up to ``max_num_seqs`` sequences through CUDA graphs
     captured here (``minikv.speed.graphs``; on the CPU the same plan runs eagerly). Their padding rows
     need a scratch block no sequence is ever given, so the pool gets one block more than ``num_blocks``
@@ -328,7 +329,8 @@ class ModelRunner:
                              "not False): the gather path's plan changes shape from step to step")
         from minikv.speed.compile import WARM_UP_SEQS, WARM_UP_WIDTH, CompiledForward
 
-        compiled = self.compiled = CompiledForward(self.model)  # set first: the warm-up step runs through it
+        # Set first: the warm-up step runs through it. With packed linears the graph needs no freezing.
+        compiled = self.compiled = CompiledForward(self.model, freezing=self.packed is None)
         s, w, b = WARM_UP_SEQS, WARM_UP_WIDTH, self.block_size
         if self.num_blocks >= s * w:  # else it compiles on the first step that applies
             # A decode step over blocks that are all free now (what it writes there is overwritten later).
@@ -433,7 +435,10 @@ class ModelRunner:
         (``minikv.speed.graphs`` calls it with a plan over its persistent buffers, to capture it.)"""
         forward, packed = self.model, self.packed.active() if self.packed is not None else nullcontext()
         if self.compiled is not None and self.compiled.applies(plan):
-            forward, packed = self.compiled.forward, nullcontext()  # the graph prepacks its own weights
+            # The graph's matmuls are our packed_linear operator on the packed weights (minikv.speed.linears);
+            # without packed weights, inductor's own (freezing prepacks what it can).
+            forward = self.compiled.forward
+            packed = self.packed.active(graph=True) if self.packed is not None else nullcontext()
             self.compiled.steps += 1
         with self._paged_attention(), packed:
             out = forward(input_ids=input_ids, position_ids=position_ids, use_cache=False,

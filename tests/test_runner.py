@@ -161,6 +161,49 @@ def test_runners_of_one_model_share_its_packed_weights_until_a_weight_changes():
     torch.testing.assert_close(logits, plain_last_logits(model, [1, 5, 9]), atol=1e-5, rtol=1e-5)
 
 
+def test_packed_linear_operator_is_the_linear_on_the_current_packed_weight():
+    """The compiled graph's matmul operator: F.linear's result and fake shape, never a stale packed copy."""
+    from minikv.speed.linears import packed_linear
+
+    model = tiny("qwen2")
+    ModelRunner(model, 16, 16)   # packs every linear
+    proj = model.model.layers[0].self_attn.q_proj   # with a bias
+    x = torch.randn(2, 3, proj.in_features)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed_linear(x, proj.weight, proj.bias), torch.nn.functional.linear(
+            x, proj.weight, proj.bias), atol=1e-5, rtol=1e-5)
+    torch.library.opcheck(packed_linear, (x, proj.weight, proj.bias), test_utils=("test_schema", "test_faketensor"))
+    with torch.no_grad():
+        proj.weight.mul_(2)   # in place: the operator must not use the old packed copy
+    with torch.inference_mode():
+        torch.testing.assert_close(packed_linear(x, proj.weight, None), x @ proj.weight.T, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_decode_step_runs_its_matmuls_on_the_packed_weights():
+    """compile=True with packed linears: every matmul of a compiled decode step is our packed_linear
+    operator on the copies packed at start (no sgemm on raw weights, no packing per step)."""
+    from torch.profiler import profile
+
+    from kernels import paged_attention_cpu
+
+    if paged_attention_cpu.load() is None:
+        pytest.skip(f"compile=True needs the CPU kernel: {paged_attention_cpu.why_not}")
+    model = tiny("llama")
+    runner = ModelRunner(model, 64, 16, compile=True)
+    blocks = Blocks(64, 16)
+    for i in range(3):   # prompts of two blocks: the compiled graph serves tables of >= 2 blocks
+        runner.execute([blocks.step(i, [1] + [5 + i] * 20)])
+    steps = [blocks.step(i, [7]) for i in range(3)]
+    before = runner.compiled.steps
+    with profile() as prof:
+        runner.execute(steps)
+    assert runner.compiled.steps == before + 1
+    calls = {e.key: e.count for e in prof.key_averages()}
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert calls.get("mkldnn::_linear_pointwise") == linears
+    assert not {"aten::mm", "aten::addmm", "aten::linear", "mkldnn::_reorder_linear_weight"} & set(calls)
+
+
 def greedy_loop(runner: ModelRunner, prompts: list[list[int]], max_new: list[int], chunk: int = 10**9,
                 block_size: int = 16, execute=None, blocks: Blocks | None = None) -> list[list[int]]:
     """The engine's shape in miniature: chunked prefill, then one decode token per sequence per step."""
@@ -295,6 +338,7 @@ def test_compiled_decode_steps_give_the_same_tokens():
     import torch._dynamo
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()   # reset() keeps them: an earlier test's graph would count here
     model = tiny("llama")
     rng = random.Random(4)
     prompts = [random_tokens(rng, n) for n in (3, 17, 40, 9, 33)]

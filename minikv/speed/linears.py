@@ -3,6 +3,13 @@
 Eager fp32 ``F.linear`` on the CPU runs sgemm on the raw weight for every call. Reordering each weight
 once into oneDNN's blocked layout lets a step's small-M matmuls (a few dozen token rows) run oneDNN's
 brgemm kernels instead; `python -m minikv bench linear` measures the difference on this machine.
+
+Under ``torch.compile`` the packed weight cannot be a graph input (its oneDNN layout has no fake
+tensor) and inductor's own prepacking needs a static row count, so with ``dynamic=True`` it falls back
+to sgemm on the raw weight. :func:`packed_linear` is our own operator, ``minikv_speed::packed_linear(x,
+weight, bias)``: to the compiler an opaque call with ``F.linear``'s signature and a fake implementation
+(its output's shape), at run time ``_linear_pointwise`` on the packed copy of ``weight``. So a compiled
+graph fuses the elementwise ops between the matmuls and still runs every matmul on packed weights.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["PackedLinears"]
+__all__ = ["PackedLinears", "packed_linear"]
 
 # One packed copy per linear module, shared by every runner of its model (a notebook or a test suite
 # builds many engines on one model: each would otherwise hold its own ~0.5 GB for SmolLM2). An entry
@@ -29,7 +36,29 @@ def _packed(module: torch.nn.Linear) -> torch.Tensor:
         entry = _PACKED.get(module)
         if entry is None or entry[0] != stamp:
             entry = _PACKED[module] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+            _BY_WEIGHT[weight.data_ptr()] = (weight._version, tuple(weight.shape), weakref.ref(entry[1]))
     return entry[1]
+
+
+# The packed copy of a weight by its data pointer, for the compiled graph's operator, which sees only the
+# dense weight. Weak references: the packed copy lives as long as its module's entry in _PACKED, never
+# longer (a notebook that builds and drops many engines must not keep their copies).
+_BY_WEIGHT: dict[int, tuple[int, tuple[int, ...], weakref.ref]] = {}
+
+
+@torch.library.custom_op("minikv_speed::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed on ``weight``'s oneDNN-packed copy (packed now if it has none)."""
+    entry = _BY_WEIGHT.get(weight.data_ptr())
+    packed = entry[2]() if entry is not None and entry[:2] == (weight._version, tuple(weight.shape)) else None
+    if packed is None:  # no live, current copy: pack now (correct, if slow; never a stale copy)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 class PackedLinears:
@@ -50,10 +79,12 @@ class PackedLinears:
 
     def __init__(self, model: torch.nn.Module, min_rows: int = 1):
         self.forwards: dict[torch.nn.Module, object] = {}
+        self.graph_forwards: dict[torch.nn.Module, object] = {}  # the same, through packed_linear (compiled)
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32:
                 small = module.weight.shape[0] * module.weight.shape[1] < 10**7  # not the lm_head
                 self.forwards[module] = self._forward(module, _packed(module), min_rows if small else 1)
+                self.graph_forwards[module] = self._graph_forward(module)
 
     @staticmethod
     def _forward(module, packed, min_rows):
@@ -64,6 +95,13 @@ class PackedLinears:
             if x.numel() < min_rows * x.shape[-1]:
                 return torch.nn.functional.linear(x, weight, bias)
             return linear_pointwise(x, packed, bias, "none", [], "")
+
+        return forward
+
+    @staticmethod
+    def _graph_forward(module):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return packed_linear(x, module.weight, module.bias)  # the module's own, so the graph sees a parameter
 
         return forward
 
@@ -80,10 +118,11 @@ class PackedLinears:
         return possible and param.dtype == torch.float32
 
     @contextmanager
-    def active(self):
-        """Route each packed module's forward to its packed weight (an instance attribute), then undo it."""
+    def active(self, graph: bool = False):
+        """Route each packed module's forward to its packed weight (an instance attribute), then undo it.
+        ``graph=True``: through the :func:`packed_linear` operator, for a forward ``torch.compile`` traces."""
         saved = {m: m.__dict__["forward"] for m in self.forwards if "forward" in m.__dict__}
-        for module, forward in self.forwards.items():
+        for module, forward in (self.graph_forwards if graph else self.forwards).items():
             module.__dict__["forward"] = forward  # plain dict write: nn.Module.__setattr__ costs more
         try:
             yield
