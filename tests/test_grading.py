@@ -582,3 +582,27 @@ def test_ex03_objective_over_seeds_0_to_29():
     assert max(ratios["solution"]) <= ex.MAX_RUNS - 0.05, ratios["solution"]
     assert min(ratios["grow in place, else the free list"]) > ex.MAX_RUNS + 0.05
     assert set(ratios["minikv's free list"]) == {1.0}
+
+
+class _Ex04KernelLookAlike:
+    """Not a Triton kernel: `[grid](...)` writes the right answer (the reference) into `out` with PyTorch."""
+
+    def __init__(self, case):
+        self.case = case
+
+    def __getitem__(self, grid):
+        def launch(out, *args, **meta):
+            out.copy_(self.case.reference())
+        return launch
+
+
+def test_ex04_window_check_launches_a_triton_kernel_and_no_look_alike():
+    """The window check launches `paged_attention_kernel` itself (not the learner's wrapper), and only a kernel that
+    `@triton.jit` made: a Python object that answers `[grid](...)` with the right numbers is refused, by name."""
+    from minikv.grading.checks import ex04_kernel as ex
+
+    case = ex.Case([13, 7], 2, 1, 16, 4, window=6)
+    ns = {"paged_attention_kernel": _Ex04KernelLookAlike(case),
+          "exercise_paged_attention": lambda *args, **kwargs: pytest.fail("the window check called the wrapper")}
+    with pytest.raises(AssertionError, match="_Ex04KernelLookAlike, not a @triton.jit kernel"):
+        ex.check_sliding_window(ns)

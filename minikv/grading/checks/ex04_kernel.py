@@ -12,6 +12,19 @@ a failing kernel costs the interpreter real time per example). With a window, th
 each sequence's last `window` tokens, copied into a fresh pool. Each failure names the shape and the
 largest error.
 
+What runs the kernel: the sliding-window check launches `paged_attention_kernel` itself (`launch_kernel`:
+the given wrapper's grid, one program per sequence and KV head, and its arguments), so it grades the
+kernel's block loop, not the wrapper's output: a wrapper that copied each window into a fresh pool (or
+computed attention in PyTorch) would otherwise let a windowless kernel pass. The launch is this
+module's `_launch`, run where the kernel lives (the submission's process, compiled there from this
+module's source: tensors cross as copies, so the launch must hand back what the kernel wrote), and
+it refuses anything that `@triton.jit` did not make under the interpreter. The learner's process can still
+rewrite Triton or the builtins before the checks run; that is tampering with the grader, not a paste,
+and no check here defends against it. The other checks call the learner's `exercise_paged_attention`
+(the given wrapper), as before. A loop that starts at block 0 and masks every token before the window
+reads no NaN, but folds in blocks whose scores are all -inf (exp2(-inf - -inf) is NaN), and fails;
+one that also guards that case is correct, if slower, and passes: no check counts the blocks a loop visits.
+
 The inputs are laid out like a busy pool, and hostile where a real one may be: every slot a sequence
 does not own holds NaN (past its length in its last block, the blocks its table's tail points at,
 two blocks past the end of the pool), as uninitialised GPU memory may; with a window, so does every
@@ -30,6 +43,7 @@ graded) and the course's kernel `kernels.paged_attention` are forbidden in grade
 from __future__ import annotations
 
 import ast
+import inspect
 import textwrap
 import warnings
 
@@ -52,6 +66,7 @@ SOME = settings(max_examples=10, deadline=None, database=None, derandomize=True,
 # |kernel - reference| <= ATOL + RTOL * |reference|. float32: only the summation order differs.
 # float16: both accumulate in fp32 and round once to fp16 at the end (one ulp: ~1e-3 here).
 TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 4e-3)}
+LOG2E = 1.4426950408889634  # the given wrapper passes scale * log2(e): the kernel works in base 2
 
 
 class Case:
@@ -147,30 +162,49 @@ def poisoned_inputs(lengths, num_heads, num_kv_heads, head_dim, block_size, dtyp
     return PagedInputs(x.query.to(dtype), key_cache.to(dtype), value_cache.to(dtype), tables.int(), x.seq_lens)
 
 
-def _kernel_runs_as_written(ns: dict) -> None:
-    """The checks run the kernel on CPU tensors: it must have been defined under the interpreter."""
-    kernel = ns.get("paged_attention_kernel")
-    if kernel is None:
-        return  # the wrapper may launch a kernel of another name; nothing to prepare
+def _launch(kernel, grid, args, meta):
+    """Launch `kernel` on `grid` and hand back (what the kernel is, what it wrote into args[0]).
+
+    Runs where the kernel lives: under the grader that is the submission's process, where tensors
+    arrive as copies, so the launch must happen there and return the output; `_launcher` ships this
+    function there as source. Self-contained for that reason (its imports are inside). Only a kernel
+    that `@triton.jit` made under the interpreter is launched: a look-alike that answers `[grid](...)`
+    with numbers of its own is named instead."""
+    kind = f"{type(kernel).__module__}.{type(kernel).__qualname__}"
+    if not kind.startswith("triton."):
+        return kind, None  # and no Triton imported on its account
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    if isinstance(kernel, JITFunction):
-        raise AssertionError("the kernel was compiled for the GPU, not interpreted: the checks run it on CPU "
-                             "tensors. Restart the runtime and run the notebook from the top (its first cell sets "
-                             "TRITON_INTERPRET=1 before triton defines the kernel)")
+    if type(kernel) is not InterpretedFunction:
+        return ("compiled" if isinstance(kernel, JITFunction) else kind), None
+    kernel[grid](*args, **meta)
+    return "interpreted", args[0]
 
 
-def run(ns: dict, case: Case) -> torch.Tensor:
-    """The learner's `exercise_paged_attention` on `case`; errors become one-line verdicts."""
-    wrapper = learner(ns, "exercise_paged_attention")
-    _kernel_runs_as_written(ns)
+def _launcher(ns):
+    """`_launch`, where the learner's kernel lives: this process when `ns` is a notebook's globals, else the
+    sandbox's child, compiled there from this module's source through the child's builtins' `exec`."""
+    if isinstance(ns, dict):
+        return _launch
+    source = textwrap.dedent(inspect.getsource(_launch))
+    builtins = ns["__builtins__"]
+    evaluate = builtins["eval"] if isinstance(builtins, dict) else builtins.eval
+    return evaluate(f"(lambda scope: exec({source!r}, scope) or scope['_launch'])({{}})")
+
+
+COMPILED_ADVICE = ("the kernel was compiled for the GPU, not interpreted: the checks run it on CPU tensors. Restart "
+                   "the runtime and run the notebook from the top (its first cell sets TRITON_INTERPRET=1 before "
+                   "triton defines the kernel)")
+
+
+def _guarded(fn, case: "Case", after: str = ""):
+    """Call learner code on `case`; errors become one-line verdicts (`after`: what the verdict adds to an error)."""
     try:
         # A kernel that reads NaN slots makes numpy warn from inside the interpreter; the verdict says it better.
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore", RuntimeWarning)
-            if case.window is None:
-                return call(wrapper, *case.inputs, case.scale)
-            return call(wrapper, *case.inputs, case.scale, window=case.window)
+            return call(fn)
     except NotImplementedYet:
         raise
     except Exception as err:
@@ -184,14 +218,68 @@ def run(ns: dict, case: Case) -> torch.Tensor:
         if "outside of the scope of a kernel" in first_line:  # Triton's helpers were defined compiled
             raise AssertionError("Triton was imported before TRITON_INTERPRET=1 was set, so the interpreter cannot "
                                  "run its helpers: restart the kernel and run the notebook from the top") from None
-        raise AssertionError(f"the kernel raised {type(root).__name__}: {first_line} [{case}]") from None
+        raise AssertionError(f"the kernel raised {type(root).__name__}: {first_line} [{case}]{after}") from None
 
 
-def compare(ns: dict, case: Case, advice: str = "") -> None:
-    got = run(ns, case)
+def _kernel_runs_as_written(ns: dict) -> None:
+    """In a notebook (not under the grader, where `launch_kernel` sees the kernel's type), the checks run the
+    kernel on CPU tensors: it must have been defined under the interpreter."""
+    kernel = ns.get("paged_attention_kernel") if isinstance(ns, dict) else None
+    if kernel is None:
+        return
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(kernel, JITFunction):
+        raise AssertionError(COMPILED_ADVICE)
+
+
+def run(ns: dict, case: Case) -> torch.Tensor:
+    """The learner's `exercise_paged_attention` on `case`."""
+    wrapper = learner(ns, "exercise_paged_attention")
+    _kernel_runs_as_written(ns)
+    if case.window is None:
+        return _guarded(lambda: wrapper(*case.inputs, case.scale), case)
+    return _guarded(lambda: wrapper(*case.inputs, case.scale, window=case.window), case)
+
+
+def launch_kernel(ns: dict, case: Case) -> torch.Tensor:
+    """The learner's `paged_attention_kernel` on `case`, launched by this check as the given wrapper launches it
+    (one program per sequence and KV head, the same arguments), so nothing the wrapper does can stand in for it."""
+    kernel = learner(ns, "paged_attention_kernel")
+    query, key_cache, value_cache, block_tables, seq_lens = case.inputs
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = case.num_heads // num_kv_heads
+    out = torch.zeros_like(query)
+    pow2 = triton_next_power_of_2
+    args = (out, query, key_cache, value_cache, block_tables, seq_lens, case.scale * LOG2E,
+            case.window if case.window is not None else 2**30,
+            *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(), *out.stride())
+    meta = dict(BLOCK_SIZE=block_size, BLOCK_SIZE_PAD=pow2(block_size), GROUP=group, GROUP_PAD=pow2(group),
+                HEAD_DIM=case.head_dim, HEAD_DIM_PAD=pow2(case.head_dim))
+    launch = _launcher(ns)
+    kind, got = _guarded(lambda: launch(kernel, (len(case.lengths), num_kv_heads), args, meta), case,
+                            ". This check launches paged_attention_kernel itself, with the given wrapper's grid and "
+                            "arguments: keep the kernel's signature as given")
+    if kind == "compiled":
+        raise AssertionError(COMPILED_ADVICE)
+    assert kind == "interpreted", (
+        f"`paged_attention_kernel` is a {str(kind)[:100]}, not a @triton.jit kernel: this check launches the kernel "
+        "itself, as the given wrapper does")
+    return got
+
+
+def triton_next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2, without importing triton into the grader."""
+    return 1 << (n - 1).bit_length()
+
+
+def compare(ns: dict, case: Case, advice: str = "", through=run) -> None:
+    """`through(ns, case)` (the learner's wrapper, or the check's own launch of the kernel) against the reference."""
+    got = through(ns, case)
+    what = "the kernel" if through is launch_kernel else "exercise_paged_attention"
     want = case.reference()
     assert isinstance(got, torch.Tensor) and got.shape == want.shape, (
-        f"exercise_paged_attention returned {type(got).__name__} "
+        f"{what} returned {type(got).__name__} "
         f"{tuple(got.shape) if isinstance(got, torch.Tensor) else ''}, expected shape {tuple(want.shape)} [{case}]")
     got, want = got.float(), want.float()
     if not torch.isfinite(got).all():
@@ -200,7 +288,8 @@ def compare(ns: dict, case: Case, advice: str = "") -> None:
             f"NaN in the output (sequence {seq}, length {case.lengths[seq]}) on {case}: the kernel used a slot that "
             f"holds no token of that sequence, and here every such slot holds NaN, as unwritten memory may "
             f"(past seq_len in the last block, past BLOCK_SIZE in a padded tile, in blocks the table's tail points to"
-            + (", before the window" if case.window else "") + ")")
+            + (", before the window; or the loop folded in a block wholly before the window, whose scores are all "
+               "-inf: exp2(-inf - -inf) is NaN" if case.window else "") + ")")
     atol, rtol = TOLERANCE[case.dtype]
     err = (got - want).abs()
     bad = err > atol + rtol * want.abs()
@@ -287,14 +376,20 @@ def check_float16_cache(ns):
 
 
 def check_sliding_window(ns):
+    # Launched by the check, not through the learner's wrapper: a wrapper that copies each window into a fresh pool
+    # would let a windowless kernel pass. The windows start at tokens 7, 1, 11, 5 (inside a block) and 16 (a block's
+    # first), or cover the whole sequence (3 tokens, window 5); the slots before them hold NaN, and the table entries
+    # of the blocks before them point at a NaN block.
     advice = ("a window of W tokens: start at the block holding token seq_len - W, and mask the tokens before it; "
-              "blocks wholly before the window were given back (their table entries point anywhere)")
-    compare(ns, Case([10, 3], 2, 1, 16, 4, window=6), advice)
-    compare(ns, Case([17], 4, 2, 16, 4, window=1), advice)
+              "blocks wholly before the window were given back (their table entries point anywhere). This check "
+              "launches paged_attention_kernel itself, with the given wrapper's grid and arguments")
+    for case in (Case([13, 7], 2, 1, 16, 4, window=6), Case([21], 4, 2, 16, 8, window=10),
+                 Case([10, 3], 2, 1, 16, 4, window=5), Case([17], 4, 2, 16, 4, window=1)):
+        compare(ns, case, advice, through=launch_kernel)
     _hypothesis(cases(lengths=lambda bs: st.lists(st.integers(1, 5 * bs), min_size=1, max_size=3),
                       groups=(1, 2), block_sizes=(3, 4, 8), spare=2,
                       windows=lambda bs: st.integers(1, 3 * bs)),
-                lambda case: compare(ns, case, advice))
+                lambda case: compare(ns, case, advice, through=launch_kernel))
 
 
 def check_block_number_widened_to_int64(ns):
