@@ -615,11 +615,14 @@ PASTES.update({
 
 
 def paste_notebook(name: str, folder: Path) -> Path:
-    """The untouched exercise with each graded cell (found by how it starts) replaced by the paste."""
-    notebook, cells = PASTES[name]
+    """The untouched exercise with each graded cell (the first code cell that starts with the key, else the first
+    that holds it) replaced by the paste."""
+    notebook, cells = ALL_PASTES[name]
     nb = nbformat.read(ROOT / "exercises" / notebook, as_version=4)
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
     for start, code in cells.items():
-        cell = next(c for c in nb.cells if c.cell_type == "code" and start in c.source)
+        cell = next((c for c in code_cells if c.source.startswith(start)), None) or next(
+            c for c in code_cells if start in c.source)
         cell.source = code
     path = folder / (name.split()[0] + "_" + "_".join(name.split()[1:]).replace("'", "") + ".ipynb")
     nbformat.write(nb, path)
@@ -628,13 +631,15 @@ def paste_notebook(name: str, folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def paste_runs(tmp_path_factory):
+    """Every paste of this module (PASTES, then exercises 03 and 04's below) graded in one batch."""
     folder = tmp_path_factory.mktemp("pastes")
-    paths = {name: paste_notebook(name, folder) for name in PASTES}
+    paths = {name: paste_notebook(name, folder) for name in ALL_PASTES}
     done, _ = grade_cli(folder, "--jobs", "2", "--json", "--quiet", timeout=1500)
     rows = {Path(r["path"]).name: r for r in json.loads(done.stdout)} if done.stdout.strip() else {}
     return done, {name: rows.get(path.name) for name, path in paths.items()}
 
 
+@pytest.mark.design
 @pytest.mark.parametrize("name", list(PASTES))
 def test_a_paste_does_not_score_full_marks(name, paste_runs):
     done, rows = paste_runs
@@ -645,6 +650,7 @@ def test_a_paste_does_not_score_full_marks(name, paste_runs):
     print(f"{name}: {row['score']}; {row['reason'][:200]}")
 
 
+@pytest.mark.design
 def test_07_return_admit_breaks_a_hard_limit_and_scores_nothing(paste_runs):
     """The hard limits are a gate, not half the score: admitting everything floods the queue on the burst."""
     row = paste_runs[1]["07 return admit"]
@@ -766,11 +772,6 @@ def _lecture_03() -> dict[str, str]:
             "class MyRunAllocator": FREE_LIST_RUNS.format(pool="MyBlockAllocator")}
 
 
-def _solution_cell(notebook: str, start: str) -> str:
-    nb = nbformat.read(ROOT / "solutions" / notebook, as_version=4)
-    return next(c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith(start))
-
-
 # The course's Triton kernel (kernels/paged_attention.py, which notebook 04 prints whole, part by part), renamed into
 # the exercise's kernel, and the course's launch (num_splits=1): it has no sliding window.
 PASTED_KERNEL = ("import triton.language as tl  # noqa\n\n" + _renamed(
@@ -888,25 +889,13 @@ PASTES_03_04 = {
             " & (pos >= seq_len - window)", ""),
     }),
 }
-@pytest.fixture(scope="module")
-def paste_runs_03_04(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pastes0304")
-    paths = {}
-    for name, (notebook, cells) in PASTES_03_04.items():
-        nb = nbformat.read(ROOT / "exercises" / notebook, as_version=4)
-        for start, code in cells.items():
-            cell = next(c for c in nb.cells if c.cell_type == "code" and c.source.startswith(start))
-            cell.source = code
-        paths[name] = folder / f"{len(paths):02d}_{notebook}"
-        nbformat.write(nb, paths[name])
-    done, _ = grade_cli(folder, "--jobs", "2", "--json", "--quiet", timeout=1500)
-    rows = {Path(r["path"]).name: r for r in json.loads(done.stdout)} if done.stdout.strip() else {}
-    return done, {name: rows.get(path.name) for name, path in paths.items()}
+ALL_PASTES = PASTES | PASTES_03_04
 
 
+@pytest.mark.design
 @pytest.mark.parametrize("name", list(PASTES_03_04))
-def test_a_paste_into_03_or_04_does_not_score_full_marks(name, paste_runs_03_04):
-    done, rows = paste_runs_03_04
+def test_a_paste_into_03_or_04_does_not_score_full_marks(name, paste_runs):
+    done, rows = paste_runs
     row = rows[name]
     assert row is not None, done.stdout + done.stderr[-3000:]
     assert row["results"] and not row["tampered"], row
