@@ -2,7 +2,8 @@
 
 Instructors plan a session around these seconds, so they are printed by a command, not typed into
 INSTRUCTORS.md. Each notebook runs in a fresh kernel through `nbclient` (as nbval runs it), without
-writing its outputs back; `--cells` adds the slowest cells of each. The load average before and after
+writing its outputs back (`--save DIR` writes the executed copies there, so the figures behind a time can be
+read); `--cells` adds the slowest cells of each. The load average before and after
 is printed too: six busy neighbours double these figures, so say which kind of moment they are from.
 """
 
@@ -17,8 +18,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_notebook(path: Path, timeout: float) -> tuple[float, list[tuple[float, int, str]], str | None]:
-    """(seconds, [(cell seconds, cell index, first line)], error or None) for one notebook."""
+def run_notebook(path: Path, timeout: float,
+                 save: Path | None = None) -> tuple[float, list[tuple[float, int, str]], str | None]:
+    """(seconds, [(cell seconds, cell index, first line)], error or None) for one notebook; with `save`, the
+    executed notebook (outputs included) is written into that folder."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
@@ -46,7 +49,11 @@ def run_notebook(path: Path, timeout: float) -> tuple[float, list[tuple[float, i
                 break
             finally:
                 cells.append((time.perf_counter() - c0, i, (cell.source.splitlines() or [""])[0][:60]))
-    return time.perf_counter() - t0, cells, error
+    seconds = time.perf_counter() - t0
+    if save is not None:
+        save.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, str(save / path.name))
+    return seconds, cells, error
 
 
 def cli(argv: list[str]) -> int:
@@ -54,6 +61,7 @@ def cli(argv: list[str]) -> int:
     p.add_argument("paths", nargs="*", help="notebooks or folders (default: notebooks/)")
     p.add_argument("--cells", type=int, default=0, metavar="N", help="also print each notebook's N slowest cells")
     p.add_argument("--timeout", type=float, default=600, help="seconds per cell at most (default 600)")
+    p.add_argument("--save", type=Path, metavar="DIR", help="write each executed notebook, outputs and all, into DIR")
     args = p.parse_args(argv)
     paths = []
     for given in args.paths or [str(REPO / "notebooks")]:
@@ -66,7 +74,7 @@ def cli(argv: list[str]) -> int:
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs")
     failed, total = 0, 0.0
     for path in paths:
-        seconds, cells, error = run_notebook(path, args.timeout)
+        seconds, cells, error = run_notebook(path, args.timeout, args.save)
         total += seconds
         print(f"{seconds:7.1f} s  {path.name}" + (f"   FAILED at {error}" if error else ""), flush=True)
         for s, i, first in sorted(cells, reverse=True)[:args.cells]:
