@@ -109,7 +109,8 @@ def cmd_grade(args) -> int:
 def cmd_claims(args) -> int:
     from minikv.bench.claims import cli
 
-    return cli([f"--{k}" for k in ("json", "markdown", "slow", "record") if getattr(args, k)])
+    return cli([f"--{k}" for k in ("json", "markdown", "slow", "record") if getattr(args, k)]
+               + (["--only", args.only] if args.only else []))
 
 
 def cmd_exercises(args) -> int:
@@ -175,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                        ("--slow", "also re-measure the rows that take minutes"),
                        ("--record", "with --slow: write those figures to minikv/bench/recorded.json")):
         p.add_argument(flag, action="store_true", help=text)
+    p.add_argument("--only", metavar="ROW", help="with --slow: re-measure this row only (engine_throughput, "
+                                                 "wobble_evictions)")
     p.set_defaults(fn=cmd_claims)
 
     p = sub.add_parser("exercises", help="regenerate exercises/ from solutions/ (--check: only report)")

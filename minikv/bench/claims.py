@@ -151,7 +151,7 @@ def _run_json(args: list[str], timeout: float) -> dict:
 
 
 ENGINE_ARGS = ["bench", "engine", "--n", "16", "--json"]
-WOBBLE_ARGS = ["bench", "wobble", "--seeds", "0,1,2", "--rate", "0.5", "--json"]
+WOBBLE_ARGS = ["bench", "wobble", "--seeds", "0,1,2", "--rate", "2.5", "--json"]
 
 
 def _measure_engine() -> dict:
