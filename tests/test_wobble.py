@@ -18,7 +18,7 @@ def test_the_four_servers_differ_in_the_pool_and_the_prefill_only():
         i, j = v.index("--num-blocks"), v.index("--threads") + 2
         return v[i + 1], v[j:], v[:i] + v[i + 2:j]
     parts = {k: split(v) for k, v in f.items()}
-    assert len({rest for _, _, rest in map(lambda p: (p[0], p[1], tuple(p[2])), parts.values())}) == 1
+    assert len({tuple(rest) for _, _, rest in parts.values()}) == 1      # model, block size, seats, threads
     for c in wb.PREFILLS:
         assert parts["evicts", c][1] == parts["never evicts", c][1]       # the pools differ in size only
     for p in wb.POOLS:
