@@ -161,6 +161,38 @@ def test_runners_of_one_model_share_its_packed_weights_until_a_weight_changes():
     torch.testing.assert_close(logits, plain_last_logits(model, [1, 5, 9]), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 33, 200])
+def test_merged_siblings_are_bitwise_their_separate_matmuls(rows):
+    """q/k/v (with biases) and gate/up run as one matmul each: every slice is exactly the separate call's."""
+    from minikv.speed.linears import _packed
+
+    model = tiny("qwen2")
+    runner = ModelRunner(model, 16, 16)
+    layer = model.model.layers[1]
+    linear_pointwise = torch.ops.mkldnn._linear_pointwise
+    x = torch.randn(rows, model.config.hidden_size)
+    for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                  (layer.mlp.gate_proj, layer.mlp.up_proj)):
+        merged = [runner.packed.forwards[m](x) for m in group]   # the first computes all, the others slice
+        for m, out in zip(group, merged):
+            assert torch.equal(out, linear_pointwise(x, _packed(m), m.bias, "none", [], ""))
+
+
+def test_a_merged_sibling_given_another_input_computes_its_own():
+    model = tiny("llama")
+    runner = ModelRunner(model, 16, 16)
+    attn = model.model.layers[0].self_attn
+    x, y = torch.randn(3, 64), torch.randn(3, 64)
+    q = runner.packed.forwards[attn.q_proj](x)
+    k = runner.packed.forwards[attn.k_proj](y)   # not the input q_proj saw: no stale slice
+    torch.testing.assert_close(q, torch.nn.functional.linear(x, attn.q_proj.weight), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k, torch.nn.functional.linear(y, attn.k_proj.weight), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        attn.v_proj.weight.mul_(2)   # in place: the next runner packs the merged weight again
+    v = ModelRunner(model, 16, 16).packed.forwards[attn.v_proj](x)
+    torch.testing.assert_close(v, torch.nn.functional.linear(x, attn.v_proj.weight), atol=1e-5, rtol=1e-5)
+
+
 def test_packed_linear_operator_is_the_linear_on_the_current_packed_weight():
     """The compiled graph's matmul operator: F.linear's result and fake shape, never a stale packed copy."""
     from minikv.speed.linears import packed_linear

@@ -10,6 +10,12 @@ to sgemm on the raw weight. :func:`packed_linear` is our own operator, ``minikv_
 weight, bias)``: to the compiler an opaque call with ``F.linear``'s signature and a fake implementation
 (its output's shape), at run time ``_linear_pointwise`` on the packed copy of ``weight``. So a compiled
 graph fuses the elementwise ops between the matmuls and still runs every matmul on packed weights.
+
+Sibling linears that read one input (a layer's q/k/v projections, its MLP's gate and up projections) are
+packed as one weight and run as one matmul, as vLLM's ``QKVParallelLinear`` and
+``MergedColumnParallelLinear`` do: one call streams the weights of three (or two), so a step makes 90
+fewer calls on a 30-layer model. Each output column is the same dot product, so the result is bitwise
+the separate calls' (``tests/test_runner.py`` checks that on the row counts a step uses).
 """
 
 from __future__ import annotations
@@ -19,12 +25,16 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["PackedLinears", "packed_linear"]
+__all__ = ["MERGED", "PackedLinears", "packed_linear"]
+
+# Names of sibling linears a module calls on one input, in the order it calls them (Llama, Mistral, Qwen2...).
+MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 # One packed copy per linear module, shared by every runner of its model (a notebook or a test suite
 # builds many engines on one model: each would otherwise hold its own ~0.5 GB for SmolLM2). An entry
 # is reused only while the weight is the same tensor, unmodified (same storage, same version counter).
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PACKED_MERGED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # the same for merged siblings, by the first
 
 
 def _packed(module: torch.nn.Linear) -> torch.Tensor:
@@ -44,6 +54,52 @@ def _packed(module: torch.nn.Linear) -> torch.Tensor:
 # dense weight. Weak references: the packed copy lives as long as its module's entry in _PACKED, never
 # longer (a notebook that builds and drops many engines must not keep their copies).
 _BY_WEIGHT: dict[int, tuple[int, tuple[int, ...], weakref.ref]] = {}
+
+
+class _Merged:
+    """One packed matmul for sibling linears: the first sibling called computes every sibling's output; the
+    others take their slice when called with that same input tensor (else they compute afresh)."""
+
+    def __init__(self, modules: list[torch.nn.Linear]):
+        self.packed, self.bias = self._weights(modules)
+        self.sizes = [m.out_features for m in modules]
+        self.input = self.outputs = None
+        self.pending = 0   # siblings yet to take their slice of `outputs`
+
+    @staticmethod
+    def _weights(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The siblings' weights packed as one, and their biases joined; shared like `_packed`'s copies."""
+        stamp = tuple((m.weight.data_ptr(), m.weight._version) for m in modules)
+        entry = None if modules[0].weight.is_inference() else _PACKED_MERGED.get(modules[0])
+        if entry is None or entry[0] != stamp:
+            with torch.no_grad():
+                weight = torch.cat([m.weight.detach() for m in modules])  # dropped once packed
+                bias = None if modules[0].bias is None else torch.cat([m.bias.detach() for m in modules])
+                entry = (stamp, (torch.ops.mkldnn._reorder_linear_weight(weight, None), bias))
+            if not modules[0].weight.is_inference():
+                _PACKED_MERGED[modules[0]] = entry
+        return entry[1]
+
+    @staticmethod
+    def mergeable(modules: list[torch.nn.Linear]) -> bool:
+        first = modules[0]
+        return all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
+                   and (m.bias is None) == (first.bias is None) for m in modules)
+
+    def forward_of(self, i: int):
+        linear_pointwise = torch.ops.mkldnn._linear_pointwise
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if x is not self.input or self.pending == 0:
+                out = linear_pointwise(x, self.packed, self.bias, "none", [], "")
+                self.input, self.outputs, self.pending = x, out.split(self.sizes, dim=-1), len(self.sizes)
+            self.pending -= 1
+            out = self.outputs[i]
+            if self.pending == 0:  # every sibling served: hold no tensor past this layer
+                self.input = self.outputs = None
+            return out
+
+        return forward
 
 
 @torch.library.custom_op("minikv_speed::packed_linear", mutates_args=())
@@ -75,16 +131,35 @@ class PackedLinears:
     cache), but a whole batch-1 decode step, whose weights stream from memory, measured faster packed;
     and with one path, batch 1 is not a different code path from batch 2 in a throughput curve.
     ``min_rows=2`` sends one-row calls of the small weights to eager ``F.linear`` instead.
+
+    ``merge=True`` (the default) runs the siblings named in :data:`MERGED` as one matmul each group, on the
+    eager path. A compiled graph calls :func:`packed_linear` per module, which needs each module's own
+    packed copy, so the runner passes ``merge=False`` with ``compile=True``.
     """
 
-    def __init__(self, model: torch.nn.Module, min_rows: int = 1):
+    def __init__(self, model: torch.nn.Module, min_rows: int = 1, merge: bool = True):
         self.forwards: dict[torch.nn.Module, object] = {}
         self.graph_forwards: dict[torch.nn.Module, object] = {}  # the same, through packed_linear (compiled)
+        merged = self._merge(model) if merge and min_rows == 1 else {}
+        self.forwards.update(merged)
         for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32:
+            if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32 and module not in merged:
                 small = module.weight.shape[0] * module.weight.shape[1] < 10**7  # not the lm_head
                 self.forwards[module] = self._forward(module, _packed(module), min_rows if small else 1)
                 self.graph_forwards[module] = self._graph_forward(module)
+
+    @staticmethod
+    def _merge(model: torch.nn.Module) -> dict[torch.nn.Module, object]:
+        """The forwards of every mergeable sibling group in :data:`MERGED`, by module."""
+        forwards = {}
+        for parent in model.modules():
+            for names in MERGED:
+                modules = [getattr(parent, n, None) for n in names]
+                if all(isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32 for m in modules) \
+                        and _Merged.mergeable(modules):
+                    group = _Merged(modules)
+                    forwards.update({m: group.forward_of(i) for i, m in enumerate(modules)})
+        return forwards
 
     @staticmethod
     def _forward(module, packed, min_rows):
