@@ -28,3 +28,21 @@ def test_side_by_side_prints_both_and_the_ratio(capsys):
     against.side_by_side(2.0, {"minikv": rep, "vllm": rep | {"output_throughput": 200.0}})
     out = capsys.readouterr().out
     assert "minikv" in out and "vllm" in out and "0.50x" in out
+
+
+def test_rounds_print_each_ratio_and_their_median(capsys):
+    def rep(tpot):
+        return {"output_throughput": 100.0, "ttft_ms": {"p50": 50.0}, "tpot_ms": {"p50": tpot},
+                "itl_ms": {"p99": 20.0}, "goodput": {"fraction": 0.0}}
+    rounds = [{"minikv": rep(30.0), "vllm": rep(20.0)}, {"minikv": rep(10.0), "vllm": rep(20.0)},
+              {"minikv": rep(40.0), "vllm": rep(20.0)}]
+    ratios = against.round_ratios(rounds)
+    assert ratios["TPOT p50"] == [1.5, 0.5, 2.0] and ratios["goodput"] == [None, None, None]
+    against.print_rounds(1.0, rounds)
+    out = capsys.readouterr().out
+    assert "1.50  0.50  2.00   median 1.50x" in out and "median -" in out
+
+
+def test_rounds_are_bounded():
+    with pytest.raises(ValueError, match="--rounds must be in"):
+        parse_args(["--against", "vllm", "--rounds", "0"])

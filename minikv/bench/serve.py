@@ -452,6 +452,10 @@ def parse_args(argv):
     v.add_argument("--against", choices=("vllm",), help="run the same load against vLLM's server too, side by side")
     v.add_argument("--vllm-url", help="a running vLLM server (loopback); default: start one from .venv-vllm")
     v.add_argument("--vllm-wait", type=float, default=600, help="seconds to wait for vLLM's start (default 600)")
+    v.add_argument("--rounds", type=int, default=1,
+                   help="runs of each rate against each server, the order alternating (minikv first, then vLLM "
+                        "first, ...), fresh prompts each round, the same for both servers; the median of the "
+                        "rounds' ratios is printed: a shared machine's speed drifts within minutes")
     s = p.add_argument_group("the server it starts (without --url)")
     s.add_argument("--model", default="smollm2-135m")
     s.add_argument("--max-waiting", type=int)
@@ -468,6 +472,8 @@ def parse_args(argv):
                          "it loads the same model with the same engine flags after stopping that server")
     if args.vllm_url and urlparse(args.vllm_url).hostname not in LOOPBACK:
         raise ValueError(f"--vllm-url must be a loopback address, got {args.vllm_url}")
+    if not 1 <= args.rounds <= 20:
+        raise ValueError(f"--rounds must be in [1, 20], got {args.rounds}")
     rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.rate]
     if any(not r > 0 for r in rates):
         raise ValueError(f"rates must be > 0 requests/s (inf for all at once), got {rates}")
