@@ -76,9 +76,13 @@ def _get(rep: dict, key):
     return value
 
 
+def _rate_label(rate: float) -> str:
+    return "all at once" if rate == float("inf") else f"{rate:g} req/s"
+
+
 def side_by_side(rate: float, reps: dict) -> None:
     names = list(reps)
-    label = "all at once" if rate == float("inf") else f"{rate:g} req/s"
+    label = _rate_label(rate)
     print(f"-- rate {label} " + "-" * 40)
     print(f"{'':18}" + "".join(f"{n:>14}" for n in names) + f"{'ratio':>9}")
     for title, key, fmt in ROWS:
@@ -106,7 +110,7 @@ def round_ratios(rounds: list[dict]) -> dict[str, list[float | None]]:
 
 def print_rounds(rate: float, rounds: list[dict]) -> None:
     """Each round's minikv / vLLM ratio and their median: the figure to quote on a machine that drifts."""
-    label = "all at once" if rate == float("inf") else f"{rate:g} req/s"
+    label = _rate_label(rate)
     print(f"-- rate {label}: minikv / vLLM over {len(rounds)} rounds, order alternating " + "-" * 10)
     for title, ratios in round_ratios(rounds).items():
         known = [x for x in ratios if x is not None]

@@ -82,9 +82,8 @@ class _Merged:
 
     @staticmethod
     def mergeable(modules: list[torch.nn.Linear]) -> bool:
-        first = modules[0]
-        return all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
-                   and (m.bias is None) == (first.bias is None) for m in modules)
+        first = modules[0]   # the caller has checked that each is an fp32 nn.Linear
+        return all(m.in_features == first.in_features and (m.bias is None) == (first.bias is None) for m in modules)
 
     def forward_of(self, i: int):
         linear_pointwise = torch.ops.mkldnn._linear_pointwise
@@ -134,7 +133,8 @@ class PackedLinears:
 
     ``merge=True`` (the default) runs the siblings named in :data:`MERGED` as one matmul each group, on the
     eager path. A compiled graph calls :func:`packed_linear` per module, which needs each module's own
-    packed copy, so the runner passes ``merge=False`` with ``compile=True``.
+    packed copy, so the runner passes ``merge=False`` with ``compile=True``. ``min_rows > 1`` merges nothing
+    (a one-row call of one sibling goes to eager ``F.linear``, which a merged matmul cannot do for it alone).
     """
 
     def __init__(self, model: torch.nn.Module, min_rows: int = 1, merge: bool = True):
