@@ -128,21 +128,28 @@ def test_prepacked_linears_are_swapped_in_only_while_executing():
     assert ModelRunner(model, 16, 16, prepack_linears=False).packed is None
 
 
-def test_a_batch_one_decode_takes_the_packed_path_with_the_plain_forward_logits(monkeypatch):
-    """Batch 1 runs on the same (packed) matmuls as larger batches, and its logits stay the model's own."""
+def test_a_batch_one_decode_runs_eager_matmuls_with_the_plain_forward_logits(monkeypatch):
+    """One-row matmuls (a batch-1 decode) run eager F.linear on every linear under 10^7 weights (MKL's sgemv
+    streams a weight faster than oneDNN's packed kernel at one row); two rows, none. Logits stay the model's."""
     model = tiny("qwen2")
     rng = random.Random(5)
     blocks = Blocks(num_blocks=16, block_size=16)
     runner = ModelRunner(model, 16, 16)
-    tokens = random_tokens(rng, 20)
-    runner.execute([blocks.step(0, tokens[:19], wants_logits=False)])
+    tokens, other = random_tokens(rng, 20), random_tokens(rng, 9)
+    runner.execute([blocks.step(0, tokens[:19], wants_logits=False), blocks.step(1, other[:8], wants_logits=False)])
     eager = []
     real_linear = torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: eager.append(1) or real_linear(*a, **k))
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: eager.append(a[1].shape) or real_linear(*a, **k))
     logits = runner.execute([blocks.step(0, tokens[19:])])   # one sequence, one token: one-row matmuls
+    one_row, eager[:] = list(eager), []
+    both = runner.execute([blocks.step(0, [tokens[19]]), blocks.step(1, other[8:])])   # two rows
     monkeypatch.undo()
-    assert eager == []   # no linear fell back to eager F.linear
+    layers = model.config.num_hidden_layers
+    # q k v o gate up down per layer, and this tiny model's lm_head (a real vocabulary's stays packed)
+    assert len(one_row) == 7 * layers + 1
+    assert eager == []   # two rows: every linear on its packed (or merged) weight
     torch.testing.assert_close(logits[0], plain_last_logits(model, tokens), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(both[1], plain_last_logits(model, other), atol=1e-5, rtol=1e-5)
 
 
 def test_runners_of_one_model_share_its_packed_weights_until_a_weight_changes():
@@ -163,7 +170,8 @@ def test_runners_of_one_model_share_its_packed_weights_until_a_weight_changes():
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 33, 200])
 def test_merged_siblings_are_bitwise_their_separate_matmuls(rows):
-    """q/k/v (with biases) and gate/up run as one matmul each: every slice is exactly the separate call's."""
+    """q/k/v (with biases) and gate/up run as one matmul each: every slice is exactly the separate call's
+    (one row runs each sibling's eager F.linear)."""
     from minikv.speed.linears import _packed
 
     model = tiny("qwen2")
@@ -174,8 +182,10 @@ def test_merged_siblings_are_bitwise_their_separate_matmuls(rows):
     for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                   (layer.mlp.gate_proj, layer.mlp.up_proj)):
         merged = [runner.packed.forwards[m](x) for m in group]   # the first computes all, the others slice
-        for m, out in zip(group, merged):
-            assert torch.equal(out, linear_pointwise(x, _packed(m), m.bias, "none", [], ""))
+        for m, out in zip(group, merged):   # one row: each sibling's own eager F.linear, not merged
+            alone = (torch.nn.functional.linear(x, m.weight, m.bias) if rows == 1
+                     else linear_pointwise(x, _packed(m), m.bias, "none", [], ""))
+            assert torch.equal(out, alone)
 
 
 def test_a_merged_sibling_given_another_input_computes_its_own():
