@@ -21,7 +21,7 @@ the runner and its speed levers (``minikv.speed``) share it without importing ea
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -152,6 +152,9 @@ class StepPlan:
     groups: list[AttnGroup]  # gathered by PyTorch
     kernel_groups: list[AttnGroup]  # decode groups that go through a kernel (group.backend says which)
     num_tokens: int
+    # (first token index, length) of each prefill chunk with nothing cached before it (start_pos 0):
+    # it attends only to itself, so SDPA runs it on the step's own K/V, as transformers' prefill does
+    fresh: list[tuple[int, int]] = field(default_factory=list)
 
 
 def kernel_decode(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, group: AttnGroup,

@@ -16,8 +16,9 @@ fresh queries, keys and values. That function
 2. reads each sequence's whole K/V back *through its block table*: decode tokens by paged
    attention, through the backend ``minikv.dispatch`` chose once (the Triton kernel on CUDA, a C++
    kernel on the CPU, both reading K/V where it lies; without them a vectorized gather + grouped
-   matmul), prefill chunks causally over their cached prefix (prefix-cache hits, earlier chunks)
-   plus themselves, a tile of queries at a time.
+   matmul), a prompt's first chunk (nothing cached before it) by PyTorch's fused causal attention
+   (SDPA) on the step's own K/V, as ``transformers`` computes a prefill, and any later chunk causally
+   over its cached prefix (prefix-cache hits, earlier chunks) plus itself, a tile of queries at a time.
 
 Everything that describes the step's layout (slots, gather indices, masks) is built once per step
 in :class:`StepPlan` and handed to every layer through the forward's keyword arguments, so the
@@ -41,6 +42,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.nn.functional as F
 
 from minikv.blocks import blocks_for
 from minikv.dispatch import CPU_KERNEL, GATHER, AttnGroup, SeqStep, StepPlan, choose_backend, kernel_decode
@@ -233,12 +235,17 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     v_store.view(kv_heads, -1, head_dim).index_copy_(1, plan.slots, value[0].to(v_store.dtype))
     # 2. Attend through the block tables. Query head h reads KV head h // G.
     grouped = query[0].view(kv_heads, num_heads // kv_heads, num_tokens, head_dim)
-    if len(plan.groups) == 1 and plan.groups[0].identity and not plan.kernel_groups:
+    if len(plan.groups) == 1 and plan.groups[0].identity and not plan.kernel_groups and not plan.fresh:
         out = _attend(grouped, k_store, v_store, plan.groups[0], scaling)
-    elif len(plan.kernel_groups) == 1 and plan.kernel_groups[0].identity and not plan.groups:
+    elif len(plan.kernel_groups) == 1 and plan.kernel_groups[0].identity and not plan.groups and not plan.fresh:
         out = kernel_decode(query[0].transpose(0, 1), k_store, v_store, plan.kernel_groups[0], scaling)
     else:
         out = query.new_empty(num_tokens, num_heads, head_dim)
+        for start, n in plan.fresh:  # a prompt's first chunk sees only itself: causal SDPA, no cache read
+            rows = slice(start, start + n)
+            fresh = F.scaled_dot_product_attention(query[:, :, rows], key[:, :, rows], value[:, :, rows],
+                                                   is_causal=True, scale=scaling, enable_gqa=True)  # [1, H, n, D]
+            out[rows] = fresh[0].transpose(0, 1)
         for group in plan.groups:  # at most six: decodes and prefill chunks, each split by length
             out[group.out_index] = _attend(grouped, k_store, v_store, group, scaling)
         for group in plan.kernel_groups:
@@ -393,12 +400,16 @@ class ModelRunner:
             for part in split_by_length([s.start_pos + 1 for s in decode], self.block_size):
                 groups.append(_build_group([decode[i] for i in part], [decode_at[i] for i in part],
                                            self.block_size, dev, self.kv_heads, g, False, len(ids)))
+        fresh = [(at, len(s.token_ids)) for s, at in zip(prefill, prefill_at) if s.start_pos == 0]
+        prefill_at = [at for s, at in zip(prefill, prefill_at) if s.start_pos > 0]
+        prefill = [s for s in prefill if s.start_pos > 0]
         if prefill:  # prefill chunks pad their queries too: group them by length the same way
             for part in split_by_length([s.start_pos + len(s.token_ids) for s in prefill], self.block_size,
                                         [len(s.token_ids) for s in prefill]):
                 groups.append(_build_group([prefill[i] for i in part], [prefill_at[i] for i in part],
                                            self.block_size, dev, self.kv_heads, g, False, len(ids)))
-        plan = StepPlan(self.k_stores, self.v_stores, torch.tensor(slots, device=dev), groups, kernel_groups, len(ids))
+        plan = StepPlan(self.k_stores, self.v_stores, torch.tensor(slots, device=dev), groups, kernel_groups, len(ids),
+                        fresh)
         return (plan, torch.tensor([ids], device=dev), torch.tensor([positions], device=dev),
                 torch.tensor(logit_rows, device=dev))
 

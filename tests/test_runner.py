@@ -87,6 +87,8 @@ def test_mixed_step_matches_plain_forward(kind, block_size):
     runner.execute(warmup)
     steps = [blocks.step(i, seq[cached:]) for i, (seq, (cached, _)) in enumerate(zip(seqs, shapes))]
     steps[1].wants_logits = False  # a chunk that is not a prompt's last: no logits row for it
+    # prompts with nothing cached (and more than one token) attend to themselves by SDPA; the rest by groups
+    assert [n for _, n in runner.plan(steps)[0].fresh] == [9, 40]
     logits = runner.execute(steps)
     wanted = [i for i, s in enumerate(steps) if s.wants_logits]
     assert logits.shape == (len(wanted), VOCAB) and logits.dtype == torch.float32

@@ -56,7 +56,7 @@ class CompiledForward:
     @staticmethod
     def applies(plan) -> bool:
         """A decode-only step of >= 2 sequences with >= 2-block tables, on a kernel that reads K/V in place."""
-        if plan.groups or len(plan.kernel_groups) != 1:
+        if plan.groups or plan.fresh or len(plan.kernel_groups) != 1:
             return False
         group = plan.kernel_groups[0]
         return (group.identity and group.backend == CPU_KERNEL and plan.num_tokens >= 2
