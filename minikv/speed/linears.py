@@ -61,7 +61,7 @@ class _Merged:
     others take their slice when called with that same input tensor (else they compute afresh). Calls of
     fewer than ``min_rows`` rows run each sibling's own eager ``F.linear`` instead."""
 
-    def __init__(self, modules: list[torch.nn.Linear], min_rows: int = 1):
+    def __init__(self, modules: list[torch.nn.Linear], min_rows: int):
         self.modules, self.min_rows = modules, min_rows
         self.packed, self.bias = self._weights(modules)
         self.sizes = [m.out_features for m in modules]
