@@ -13,6 +13,13 @@
 // * ATen's parallel_for spreads the items over PyTorch's own thread pool (torch.get_num_threads()),
 //   so no second pool competes with the matmuls' threads.
 //
+// * the loops walk the block table a block at a time: no division per token to find its block;
+// * where the compiler targets AVX-512 (x86 with -march=native on such a CPU) and head_dim is a multiple
+//   of 16, an item with G <= 8 runs `item_avx512<G>`: each dot product's 16 lanes are summed by a
+//   shuffle tree (a running sum over the lanes is 16 dependent scalar adds, most of the pass), and the
+//   G output rows of pass 2 stay in registers over every V row instead of being loaded and stored per
+//   row. Pass 2's sums keep their order (token by token, one fused multiply-add each).
+//
 // fp32 only (the CPU's parity path); the runner keeps the PyTorch path for other dtypes.
 // Layouts, as the runner stores them:
 //   query        [S, H, D]                 contiguous
@@ -29,6 +36,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int kLanes = 16;  // partial sums the compiler keeps in one vector register (AVX-512: 16 floats)
@@ -44,6 +55,102 @@ inline float dot(const float* q, const float* k, int64_t d) {
   for (int j = 0; j < kLanes; ++j) sum += acc[j];
   for (; i < d; ++i) sum += q[i] * k[i];
   return sum;
+}
+
+// Softmax of each of the G rows of `scores` ([G, len]) in place: subtract the max, exponentiate, normalize.
+inline void softmax_rows(float* scores, int64_t G, int64_t len) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = scores + g * len;
+    const float m = *std::max_element(row, row + len);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) sum += (row[t] = std::exp(row[t] - m));
+    for (int64_t t = 0; t < len; ++t) row[t] /= sum;  // divide, as softmax does, not multiply by 1/sum
+  }
+}
+
+// Where one work item reads: KV head `k_head`/`v_head` ([blocks, bs, D]) through the sequence's `table`.
+struct Item {
+  const float *q, *k_head, *v_head;  // q: the G query heads [G, D]
+  const int32_t* table;
+  int64_t len, bs, D;
+  float scale;
+  float *scores, *o;  // scores: [G, len] scratch; o: the G output heads [G, D]
+};
+
+// Calls fn(row offset, token) for every token of the item, a block at a time.
+template <class Fn>
+inline void for_each_row(const Item& it, Fn fn) {
+  for (int64_t start = 0, b = 0; start < it.len; start += it.bs, ++b) {
+    const int64_t base = static_cast<int64_t>(it.table[b]) * it.bs * it.D, n = std::min(it.bs, it.len - start);
+    for (int64_t j = 0; j < n; ++j) fn(base + j * it.D, start + j);
+  }
+}
+
+void item_generic(const Item& it, int64_t G) {
+  const int64_t D = it.D, len = it.len;
+  // Pass 1: every score; each K row serves all G query heads.
+  for_each_row(it, [&](int64_t row, int64_t t) {
+    for (int64_t g = 0; g < G; ++g) it.scores[g * len + t] = dot(it.q + g * D, it.k_head + row, D) * it.scale;
+  });
+  softmax_rows(it.scores, G, len);
+  // Pass 2: the probability-weighted sum of V rows.
+  std::fill(it.o, it.o + G * D, 0.f);
+  for_each_row(it, [&](int64_t row, int64_t t) {
+    const float* v = it.v_head + row;
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = it.scores[g * len + t];
+      float* og = it.o + g * D;
+      for (int64_t d = 0; d < D; ++d) og[d] += p * v[d];
+    }
+  });
+}
+
+#if defined(__AVX512F__)
+// The same item with AVX-512 registers, head_dim a multiple of 16, G known at compile time.
+template <int G>
+void item_avx512(const Item& it) {
+  const int64_t D = it.D, len = it.len;
+  for_each_row(it, [&](int64_t row, int64_t t) {
+    const float* k = it.k_head + row;
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 16) {  // lane j sums terms j, j+16, ...: as `dot` does
+      const __m512 kv = _mm512_loadu_ps(k + i);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(it.q + g * D + i), kv, acc[g]);
+    }
+    for (int g = 0; g < G; ++g) it.scores[g * len + t] = _mm512_reduce_add_ps(acc[g]) * it.scale;
+  });
+  softmax_rows(it.scores, G, len);
+  for (int64_t i = 0; i < D; i += 16) {  // one 16-wide slice of the G outputs, in registers over all V rows
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for_each_row(it, [&](int64_t row, int64_t t) {
+      const __m512 vv = _mm512_loadu_ps(it.v_head + row + i);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(it.scores[g * len + t]), vv, acc[g]);
+    });
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(it.o + g * D + i, acc[g]);
+  }
+}
+#endif
+
+// One (sequence, KV head) item, on the fastest path this build and these shapes allow.
+void run_item(const Item& it, int64_t G) {
+#if defined(__AVX512F__)
+  if (it.D % 16 == 0) {
+    switch (G) {
+      case 1: return item_avx512<1>(it);
+      case 2: return item_avx512<2>(it);
+      case 3: return item_avx512<3>(it);
+      case 4: return item_avx512<4>(it);
+      case 5: return item_avx512<5>(it);
+      case 6: return item_avx512<6>(it);
+      case 7: return item_avx512<7>(it);
+      case 8: return item_avx512<8>(it);
+      default: break;
+    }
+  }
+#endif
+  item_generic(it, G);
 }
 
 at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_store, const at::Tensor& v_store,
@@ -83,34 +190,11 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_store, cons
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / KVH, h = item % KVH, len = lens[s];
-      const float* q = q_all + (s * H + h * G) * D;  // the G query heads reading KV head h
-      float* o = out_all + (s * H + h * G) * D;
       scores.resize(G * len);
-      // Pass 1: every score, walking the block table; each K row serves all G query heads.
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = tables[s * W + t / bs];
-        const float* k = k_all + ((h * num_blocks + block) * bs + t % bs) * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * len + t] = dot(q + g * D, k, D) * fscale;
-      }
-      // Softmax per query head: subtract the max, exponentiate, normalize.
-      for (int64_t g = 0; g < G; ++g) {
-        float* row = scores.data() + g * len;
-        const float m = *std::max_element(row, row + len);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) sum += (row[t] = std::exp(row[t] - m));
-        for (int64_t t = 0; t < len; ++t) row[t] /= sum;  // divide, as softmax does, not multiply by 1/sum
-        std::fill(o + g * D, o + (g + 1) * D, 0.f);
-      }
-      // Pass 2: the probability-weighted sum of V rows, again block by block.
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t block = tables[s * W + t / bs];
-        const float* v = v_all + ((h * num_blocks + block) * bs + t % bs) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * len + t];
-          float* og = o + g * D;
-          for (int64_t d = 0; d < D; ++d) og[d] += p * v[d];
-        }
-      }
+      // The G query heads reading KV head h, and where their outputs go.
+      const Item it{q_all + (s * H + h * G) * D, k_all + h * num_blocks * bs * D, v_all + h * num_blocks * bs * D,
+                    tables + s * W, len, bs, D, fscale, scores.data(), out_all + (s * H + h * G) * D};
+      run_item(it, G);
     }
   });
   return out;
