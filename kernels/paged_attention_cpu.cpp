@@ -11,14 +11,13 @@
 //   then the weighted sum of V rows; the same operations in the same order as the reference's
 //   softmax(q k^T * scale) v, up to how a dot product of head_dim terms is summed;
 // * ATen's parallel_for spreads the items over PyTorch's own thread pool (torch.get_num_threads()),
-//   so no second pool competes with the matmuls' threads.
-//
+//   so no second pool competes with the matmuls' threads;
 // * the loops walk the block table a block at a time: no division per token to find its block;
 // * where the compiler targets AVX-512 (x86 with -march=native on such a CPU) and head_dim is a multiple
 //   of 16, an item with G <= 8 runs `item_avx512<G>`: each dot product's 16 lanes are summed by a
-//   shuffle tree (a running sum over the lanes is 16 dependent scalar adds, most of the pass), and the
-//   G output rows of pass 2 stay in registers over every V row instead of being loaded and stored per
-//   row. Pass 2's sums keep their order (token by token, one fused multiply-add each).
+//   shuffle tree (a running sum over the lanes is 16 dependent scalar adds), and the G output rows of
+//   pass 2 stay in registers over every V row instead of being loaded and stored per row. Pass 2's
+//   sums keep their order (token by token, one fused multiply-add each).
 //
 // fp32 only (the CPU's parity path); the runner keeps the PyTorch path for other dtypes.
 // Layouts, as the runner stores them:
