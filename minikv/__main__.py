@@ -17,6 +17,8 @@ BENCHES = {  # name -> module in minikv.bench exposing cli(argv) -> int
              "occupancy, preemptions and their latency wobble.",
     "wobble": "What stalls a served stream: the same Poisson load on four servers, a pool that evicts or never "
               "does x whole or chunked prefill; the largest gaps and the verdict on 'wobbles are evictions'.",
+    "steps": "One step's cost, minikv vs vLLM's CPU build (--vllm), shape by shape: a prefill, decode at "
+             "batches 1..8; --model depth30 for the fixed cost per step.",
     "linear": "One matmul on SmolLM2's shapes: eager F.linear vs a oneDNN-prepacked weight, M = 1..2048 rows.",
     "gpu_check": "Everything a lent GPU should confirm (kernel tests, parity, kernel and engine benches), one JSON.",
     "kernel": "The Triton paged-attention kernel: on a GPU its bandwidth vs peak and vs contiguous attention; "

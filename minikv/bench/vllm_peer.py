@@ -56,6 +56,18 @@ def run_vllm(model_dir: Path, requests, *, cores: str | None = None, timeout: fl
              venv: Path = VENV, repeat: int = 1) -> dict:
     """{"startup_s", "seconds", "runs", "tokens"} from vLLM's CPU build on these requests (greedy, EOS
     ignored); "seconds" is the median of `repeat` timed generate calls."""
+    longest = max(len(r.prompt) + r.max_tokens for r in requests)
+    return run_script(SCRIPT, {"model_dir": str(model_dir), "max_model_len": max(1024, longest),
+                               "prompts": [r.prompt for r in requests],
+                               "max_tokens": [r.max_tokens for r in requests], "repeat": repeat},
+                      cores=cores, timeout=timeout, venv=venv)
+
+
+def run_script(script: str, spec: dict, *, cores: str | None = None, timeout: float = 1800,
+               venv: Path = VENV) -> dict:
+    """Run `script` under the vLLM virtualenv's Python with argv[1] a JSON file holding `spec` and argv[2]
+    the JSON file it writes its results to; return those results. vLLM's threads are bound to `cores`
+    (default: every core this process may use), offline, with its compile cache inside the virtualenv."""
     exe = python(venv)
     if exe is None:
         raise FileNotFoundError(HOW_TO_GET_IT)
@@ -63,13 +75,10 @@ def run_vllm(model_dir: Path, requests, *, cores: str | None = None, timeout: fl
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2",
                VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CACHE_ROOT=str(venv.resolve() / "cache"))
     env.pop("PYTHONPATH", None)  # its own packages only
-    longest = max(len(r.prompt) + r.max_tokens for r in requests)
     with tempfile.TemporaryDirectory() as tmp:
-        spec, out = Path(tmp) / "workload.json", Path(tmp) / "results.json"
-        spec.write_text(json.dumps({"model_dir": str(model_dir), "max_model_len": max(1024, longest),
-                                    "prompts": [r.prompt for r in requests],
-                                    "max_tokens": [r.max_tokens for r in requests], "repeat": repeat}))
-        done = subprocess.run([str(exe), "-c", SCRIPT, str(spec), str(out)], env=env, capture_output=True,
+        spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "results.json"
+        spec_path.write_text(json.dumps(spec))
+        done = subprocess.run([str(exe), "-c", script, str(spec_path), str(out)], env=env, capture_output=True,
                               text=True, timeout=timeout)
         if done.returncode != 0:
             raise RuntimeError(f"vLLM failed (exit {done.returncode}): {done.stderr[-2000:]}")

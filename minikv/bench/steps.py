@@ -1,0 +1,168 @@
+"""`bench steps`: what one step costs in minikv and in vLLM, shape by shape, from one command.
+
+`bench engine` times a whole workload, where the two engines' schedules differ; a served request's
+latency is made of steps of a few shapes. This times both engines on the same shapes, each through its
+own ``generate`` (so a step's scheduling and sampling count, as they do when serving):
+
+* a prefill: one prompt of P tokens, one output token;
+* a decode step at batch B: B prompts of C tokens, generating 1 token each and then 1 + N; the
+  difference over N is one decode step at batch B, C to C + N tokens of context. The two calls
+  alternate and the median of their differences is kept, so a slow spell of the machine lands in
+  both halves of a pair.
+
+Prompts are fresh random token ids every call (vLLM's prefix caching is off; minikv's finds nothing to
+share in them). :func:`measure` is the one procedure: minikv runs it here, and vLLM's interpreter runs
+its source in ``.venv-vllm``.
+
+``--model depth30`` is a random Llama with SmolLM2's depth, heads and head size (30 layers, 64-wide
+heads) but a width of 192: its matmuls cost next to nothing, so what is left of a step is each
+engine's cost per layer and per step (Python, operator dispatch, launching kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from minikv.bench import vllm_peer
+
+DEPTH30 = dict(num_hidden_layers=30, hidden_size=192, intermediate_size=256, num_attention_heads=3,
+               num_key_value_heads=1, head_dim=64, vocab_size=1024, max_position_embeddings=2048,
+               tie_word_embeddings=True)
+
+
+def measure(run, spec: dict) -> dict:
+    """Seconds of a prefill and of a decode step at each batch, timed with ``run(prompts, max_tokens)``
+    (an engine's generate; returns seconds). Standard library only: vLLM's side runs this source."""
+    import random
+    import statistics
+
+    rng = random.Random(spec["seed"])
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return [[rng.randrange(spec["low"], spec["high"]) for _ in range(length)] for _ in range(n)]
+
+    run(prompts(2, 16), 4)  # warm-up: first-call costs (allocations, lazy builds) are not a step's
+    out = {"prefill": statistics.median(run(prompts(1, spec["prefill"]), 1) for _ in range(spec["repeat"]))}
+    for batch in spec["batches"]:
+        differences = []
+        for _ in range(spec["repeat"]):
+            one = run(prompts(batch, spec["context"]), 1)
+            differences.append(run(prompts(batch, spec["context"]), 1 + spec["steps"]) - one)
+        out[f"decode_b{batch}"] = statistics.median(differences) / spec["steps"]
+    return out
+
+
+VLLM_SCRIPT = r"""
+import json, sys, time
+spec = json.load(open(sys.argv[1]))
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=spec["model_dir"], dtype="float32", max_model_len=spec["max_model_len"], seed=0,
+          enable_prefix_caching=False, skip_tokenizer_init=spec["skip_tokenizer"])
+def run(prompts, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                            detokenize=not spec["skip_tokenizer"])
+    start = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start
+""" + inspect.getsource(measure) + r"""
+json.dump(measure(run, spec), open(sys.argv[2], "w"))
+"""
+
+
+def minikv_run(model, tokenizer):
+    """``run(prompts, max_tokens) -> seconds`` on one minikv engine with its defaults."""
+    from minikv.engine import LLM
+    from minikv.sampling import SamplingParams
+
+    llm = LLM(model, tokenizer=tokenizer, verbose=False)
+
+    def run(prompts: list[list[int]], max_tokens: int) -> float:
+        params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)] * len(prompts)
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    return run
+
+
+def load(name: str):
+    """(model, tokenizer) of smollm2-135m or depth30 (no tokenizer: random token ids need none), fp32 on the CPU."""
+    import torch
+
+    from minikv.models import load_model, tiny_random_llama
+
+    if name == "depth30":
+        return tiny_random_llama(**DEPTH30), None
+    return load_model(name, device="cpu", dtype=torch.float32)
+
+
+def run_vllm(model, tokenizer, spec: dict, venv: Path) -> dict:
+    """:func:`measure` in vLLM's interpreter, on the same model (depth30: its random weights saved for it)."""
+    from minikv.models import smollm2_dir
+
+    longest = max(spec["prefill"], spec["context"] + 1 + spec["steps"])
+    spec = {**spec, "max_model_len": max(1024, longest), "skip_tokenizer": tokenizer is None}
+    if tokenizer is not None:
+        return vllm_peer.run_script(VLLM_SCRIPT, {**spec, "model_dir": str(smollm2_dir())}, venv=venv)
+    with tempfile.TemporaryDirectory(prefix="minikv-depth30-") as folder:
+        model.save_pretrained(folder)
+        return vllm_peer.run_script(VLLM_SCRIPT, {**spec, "model_dir": folder}, venv=venv)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minikv bench steps", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "depth30"],
+                        help="smollm2-135m (default) or depth30 (SmolLM2's depth at a tiny width: fixed costs)")
+    parser.add_argument("--prefill", type=int, default=200, help="prompt tokens of the prefill (default 200)")
+    parser.add_argument("--context", type=int, default=200, help="prompt tokens before decoding (default 200)")
+    parser.add_argument("--batches", default="1,4,8", help="decode batch sizes (default 1,4,8)")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed per call (default 32)")
+    parser.add_argument("--repeat", type=int, default=5, help="calls per figure, the median kept (default 5)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    parser.add_argument("--vllm", action="store_true", help="also vLLM's CPU build (.venv-vllm, `make vllm`)")
+    parser.add_argument("--vllm-venv", default=str(vllm_peer.VENV), help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    args = parser.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    except ValueError:
+        parser.error(f"--batches takes comma-separated integers, got {args.batches!r}")
+    for what, value in (("--prefill", args.prefill), ("--context", args.context), ("--steps", args.steps),
+                        ("--repeat", args.repeat), *(("--batches", b) for b in batches)):
+        if value < 1:
+            parser.error(f"{what} must be >= 1, got {value}")
+    if args.vllm and vllm_peer.python(Path(args.vllm_venv)) is None:
+        print(vllm_peer.HOW_TO_GET_IT)
+        return 2
+
+    model, tokenizer = load(args.model)
+    vocab = model.config.vocab_size
+    spec = {"seed": args.seed, "low": 3 if args.model == "depth30" else 100, "high": min(vocab, 40000),
+            "prefill": args.prefill, "context": args.context, "batches": batches, "steps": args.steps,
+            "repeat": args.repeat}
+    results = {"minikv": measure(minikv_run(model, tokenizer), spec)}
+    if args.vllm:
+        results["vllm"] = run_vllm(model, tokenizer, spec, Path(args.vllm_venv))
+    report = {"model": args.model, "spec": spec, "seconds": results}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    labels = {"prefill": f"prefill, {args.prefill} tokens"}
+    labels.update({f"decode_b{b}": f"decode step, batch {b} (context {args.context})" for b in batches})
+    print(f"{args.model}, fp32, {args.repeat} calls per figure (median)")
+    header = f"{'shape':<40}{'minikv ms':>12}" + (f"{'vLLM ms':>12}{'minikv/vLLM':>14}" if args.vllm else "")
+    print(header)
+    for key, label in labels.items():
+        mine = results["minikv"][key] * 1e3
+        line = f"{label:<40}{mine:>12.1f}"
+        if args.vllm:
+            theirs = results["vllm"][key] * 1e3
+            line += f"{theirs:>12.1f}{mine / theirs:>14.2f}"
+        print(line)
+    return 0

@@ -1,0 +1,67 @@
+"""`bench steps`: the one timing procedure, its arithmetic on a fake engine, and the command on depth30."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minikv.bench.steps import VLLM_SCRIPT, cli, measure
+
+SPEC = {"seed": 0, "low": 3, "high": 50, "prefill": 12, "context": 7, "batches": [1, 3], "steps": 5, "repeat": 3}
+
+
+def fake_engine(calls: list):
+    """An engine whose generate takes 0.1 s a call, 0.002 s a prompt token, and 0.01 s x batch a decode step."""
+
+    def run(prompts, max_tokens):
+        calls.append((prompts, max_tokens))
+        tokens = sum(len(p) for p in prompts)
+        return 0.1 + 0.002 * tokens + (max_tokens - 1) * 0.01 * len(prompts)
+
+    return run
+
+
+def test_measure_recovers_a_step_and_a_prefill():
+    calls = []
+    out = measure(fake_engine(calls), SPEC)
+    assert out["prefill"] == pytest.approx(0.1 + 0.002 * 12)
+    assert out["decode_b1"] == pytest.approx(0.01)
+    assert out["decode_b3"] == pytest.approx(0.03)
+    # warm-up, 3 prefills, then per batch 3 pairs (1 token, 1 + steps tokens), alternating
+    assert len(calls) == 1 + 3 + 2 * 3 * 2
+    assert [len(p) for p, _ in calls[4:10]] == [1] * 6 and [k for _, k in calls[4:10]] == [1, 6] * 3
+    assert all(len(p[0]) == 7 for p, _ in calls[4:]) and all(3 <= t < 50 for p, _ in calls for q in p for t in q)
+    prompts = [tuple(q) for p, _ in calls[1:] for q in p]
+    assert len(set(prompts)) == len(prompts), "every call gets fresh prompts"
+
+
+def test_vllm_script_runs_the_same_procedure():
+    assert "def measure(run, spec: dict)" in VLLM_SCRIPT
+    compile(VLLM_SCRIPT, "<vllm steps script>", "exec")  # the source vLLM's interpreter is given parses
+
+
+def bench(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "minikv", "bench", "steps", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_the_command_on_depth30():
+    done = bench("--model", "depth30", "--batches", "1,2", "--steps", "3", "--repeat", "1", "--prefill", "16",
+                 "--context", "16", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert set(report["seconds"]["minikv"]) == {"prefill", "decode_b1", "decode_b2"}
+    assert all(0 < s < 10 for s in report["seconds"]["minikv"].values()), report
+
+
+def test_without_vllm_it_says_how_to_get_it(capsys):
+    assert cli(["--vllm", "--vllm-venv", "/nonexistent/venv", "--model", "depth30"]) == 2
+    assert "make vllm" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", [["--batches", "0"], ["--batches", "one"], ["--steps", "0"]])
+def test_bad_options_say_what_is_wrong(bad, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli(bad)
+    assert stop.value.code == 2 and bad[0] in capsys.readouterr().err
