@@ -130,28 +130,32 @@ def test_prepacked_linears_are_swapped_in_only_while_executing():
     assert ModelRunner(model, 16, 16, prepack_linears=False).packed is None
 
 
-def test_a_batch_one_decode_runs_eager_matmuls_with_the_plain_forward_logits(monkeypatch):
-    """One-row matmuls (a batch-1 decode) run eager F.linear on every linear under 10^7 weights (MKL's sgemv
-    streams a weight faster than oneDNN's packed kernel at one row); two rows, none. Logits stay the model's."""
+def test_a_decode_of_up_to_three_sequences_runs_eager_matmuls_with_the_plain_forward_logits(monkeypatch):
+    """Matmuls of fewer than four rows (a decode of up to three sequences) run eager F.linear on every linear
+    under 10^7 weights (MKL's sgemm streams a weight faster than oneDNN's packed kernel there); four rows,
+    none. Logits stay the model's."""
     model = tiny("qwen2")
     rng = random.Random(5)
     blocks = Blocks(num_blocks=16, block_size=16)
     runner = ModelRunner(model, 16, 16)
-    tokens, other = random_tokens(rng, 20), random_tokens(rng, 9)
-    runner.execute([blocks.step(0, tokens[:19], wants_logits=False), blocks.step(1, other[:8], wants_logits=False)])
+    prompts = [random_tokens(rng, n) for n in (20, 9, 12, 5)]
+    runner.execute([blocks.step(i, p[:-1], wants_logits=False) for i, p in enumerate(prompts)])
     eager = []
     real_linear = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: eager.append(a[1].shape) or real_linear(*a, **k))
-    logits = runner.execute([blocks.step(0, tokens[19:])])   # one sequence, one token: one-row matmuls
-    one_row, eager[:] = list(eager), []
-    both = runner.execute([blocks.step(0, [tokens[19]]), blocks.step(1, other[8:])])   # two rows
+    logits = runner.execute([blocks.step(0, prompts[0][-1:]), blocks.step(1, prompts[1][-1:]),
+                             blocks.step(2, prompts[2][-1:])])   # three sequences, one token each: three rows
+    three_rows, eager[:] = list(eager), []
+    four = runner.execute([blocks.step(i, [p[-1]]) for i, p in enumerate(prompts)])   # four rows
     monkeypatch.undo()
     layers = model.config.num_hidden_layers
     # q k v o gate up down per layer, and this tiny model's lm_head (a real vocabulary's stays packed)
-    assert len(one_row) == 7 * layers + 1
-    assert eager == []   # two rows: every linear on its packed (or merged) weight
-    torch.testing.assert_close(logits[0], plain_last_logits(model, tokens), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(both[1], plain_last_logits(model, other), atol=1e-5, rtol=1e-5)
+    assert len(three_rows) == 7 * layers + 1
+    assert eager == []   # four rows: every linear on its packed (or merged) weight
+    for i in range(3):
+        torch.testing.assert_close(logits[i], plain_last_logits(model, prompts[i]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(four[3], plain_last_logits(model, prompts[3]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(four[0], plain_last_logits(model, prompts[0] + prompts[0][-1:]), atol=1e-5, rtol=1e-5)
 
 
 def test_runners_of_one_model_share_its_packed_weights_until_a_weight_changes():
@@ -173,7 +177,7 @@ def test_runners_of_one_model_share_its_packed_weights_until_a_weight_changes():
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 33, 200])
 def test_merged_siblings_are_bitwise_their_separate_matmuls(rows):
     """q/k/v (with biases) and gate/up run as one matmul each: every slice is exactly the separate call's
-    (one row runs each sibling's eager F.linear)."""
+    (fewer than four rows run each sibling's eager F.linear)."""
     from minikv.speed.linears import _packed
 
     model = tiny("qwen2")
@@ -184,8 +188,8 @@ def test_merged_siblings_are_bitwise_their_separate_matmuls(rows):
     for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                   (layer.mlp.gate_proj, layer.mlp.up_proj)):
         merged = [runner.packed.forwards[m](x) for m in group]   # the first computes all, the others slice
-        for m, out in zip(group, merged):   # one row: each sibling's own eager F.linear, not merged
-            alone = (torch.nn.functional.linear(x, m.weight, m.bias) if rows == 1
+        for m, out in zip(group, merged):   # under four rows: each sibling's own eager F.linear, not merged
+            alone = (torch.nn.functional.linear(x, m.weight, m.bias) if rows < 4
                      else linear_pointwise(x, _packed(m), m.bias, "none", [], ""))
             assert torch.equal(out, alone)
 

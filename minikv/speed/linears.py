@@ -130,22 +130,24 @@ class PackedLinears:
     the packed copies cost as much memory again as the linear weights (a tied ``lm_head`` included), once
     per model: every ``PackedLinears`` of one model shares them while its weights are unchanged.
 
-    Calls of ``min_rows`` rows or more take the packed path; fewer (by default: one row, a batch-1
-    decode step) take eager ``F.linear`` on the module's own weight, the lm_head excepted. A one-row
-    matmul is a matrix-vector product whose weight streams from memory once: MKL's sgemv does that
-    faster than oneDNN's brgemm on the packed layout. Measured on a 2-core CPU, SmolLM2, a whole batch-1
-    decode step at 260 tokens of context, the two alternating 12 times: median 84.6 and 96.7 ms with
-    ``min_rows=1`` against 68.4 and 70.2 ms with 2, in two runs (at batch 2, where both take the packed
-    path, 92.4 and 87.4 ms: that much is noise). ``min_rows=1`` packs every call.
+    Calls of ``min_rows`` rows or more take the packed path; fewer (by default: up to three rows, a decode
+    step of up to three sequences) take eager ``F.linear`` on the module's own weight, the lm_head excepted.
+    A matmul of a few rows is close to a matrix-vector product whose weight streams from memory once: MKL's
+    sgemm does that faster than oneDNN's brgemm on the packed layout, until about four rows. Measured on a
+    2-core CPU, SmolLM2's four per-layer shapes over 30 layers of distinct weights (so each streams from
+    memory, as in a step), packed against eager: 39.5/34.0 ms at one row, 40.2/31.3 at two, 40.4/35.0 at
+    three, 39.3/51.2 at four. A whole decode step at 260 tokens of context, the two settings alternating 25
+    times: ``min_rows=4`` against 2 took 65.6 against 76.6 ms at batch 2 and 83.9 against 96.1 ms at batch
+    3 (batches 1 and 4, on the same path either way, within 1.3 ms). ``min_rows=1`` packs every call.
 
     ``merge=True`` (the default) runs the siblings named in :data:`MERGED` as one matmul each group, on the
-    eager path (a one-row call still runs each sibling's own ``F.linear``: merging would need a dense copy
-    of the joined weights, memory for one or two milliseconds). A compiled graph calls :func:`packed_linear`
+    packed path (a call of fewer rows still runs each sibling's own ``F.linear``: merging would need a dense
+    copy of the joined weights, memory for one or two milliseconds). A compiled graph calls :func:`packed_linear`
     per module, which needs each module's own packed copy, so the runner passes ``merge=False`` with
     ``compile=True``.
     """
 
-    def __init__(self, model: torch.nn.Module, min_rows: int = 2, merge: bool = True):
+    def __init__(self, model: torch.nn.Module, min_rows: int = 4, merge: bool = True):
         self.forwards: dict[torch.nn.Module, object] = {}
         self.graph_forwards: dict[torch.nn.Module, object] = {}  # the same, through packed_linear (compiled)
         merged = self._merge(model, min_rows) if merge else {}
