@@ -62,7 +62,7 @@ class EngineConfig:
     verbose: bool = True                          # print the pool's size at start
     prepack_linears: bool | None = None           # oneDNN weight prepacking (None: on the CPU in fp32)
     cpu_kernel: bool | None = None                # C++ decode attention (None: on the CPU in fp32, when it builds)
-    compile: bool = False                         # torch.compile of decode steps
+    compile: bool = False                         # torch.compile of every step of >= 2 tokens
     decode_graphs: bool = False                   # CUDA graphs for decode steps (one extra scratch block)
 
     def __post_init__(self) -> None:
@@ -119,7 +119,7 @@ _FLAGS = {
     "watermark": (float, "share of the pool kept free when admitting (default 0.01)"),
     "prepack_linears": (bool, "oneDNN weight prepacking (default: on the CPU in fp32)"),
     "cpu_kernel": (bool, "C++ decode attention (default: on the CPU in fp32, when it builds)"),
-    "compile": (bool, "torch.compile decode steps (default off)"),
+    "compile": (bool, "torch.compile every step, attention outside the graph (default off: minutes of start-up)"),
     "decode_graphs": (bool, "CUDA graphs for decode steps (default off)"),
 }
 

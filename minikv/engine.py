@@ -102,7 +102,7 @@ class LLMEngine:
     (refused without it, as vLLM needs chunked prefill for partial prefills).
     ``prepack_linears`` (None: on the CPU in fp32) is the runner's oneDNN weight prepacking;
     ``cpu_kernel`` (None: on the CPU in fp32, when it builds) its C++ decode attention, and ``compile``
-    (False) its torch.compile of decode steps (see ModelRunner). ``decode_graphs`` (False) runs decode
+    (False) its torch.compile of every step (see ModelRunner). ``decode_graphs`` (False) runs decode
     steps through CUDA graphs captured at start, one per batch size (``minikv.speed.graphs``), with one
     extra pool block as their scratch; on the CPU the same plan runs eagerly (a test of it, not a speed-up).
     ``scheduler_cls`` (minikv's `Scheduler`) is built with ``(SchedulerConfig, BlockManager, SwapSpace)``:

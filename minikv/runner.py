@@ -38,6 +38,7 @@ passed computes with stock PyTorch everywhere else.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager, nullcontext
 from typing import Protocol, runtime_checkable
 
@@ -45,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from minikv.blocks import blocks_for
-from minikv.dispatch import CPU_KERNEL, GATHER, AttnGroup, SeqStep, StepPlan, choose_backend, kernel_decode
+from minikv.dispatch import GATHER, AttnGroup, SeqStep, StepPlan, choose_backend, kernel_decode
 from minikv.metrics import SPAN_ATTENTION, SPAN_EXECUTE, SPAN_PLAN, spanned
 from minikv.sizing import cache_shape, kv_bytes_per_block
 from minikv.speed.linears import PackedLinears
@@ -211,25 +212,11 @@ def _attend(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, g
     return out if group.q_valid is None else out[group.q_valid]
 
 
-@spanned(SPAN_ATTENTION)
-def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            minikv_plan: StepPlan | None = None, **kwargs):
-    """The attention function ``transformers`` calls in every layer (registered as ``"minikv_paged"``).
-
-    query [1, H, T, D], key/value [1, KVH, T, D]: this step's tokens, rotary already applied.
-    Returns ([1, T, H, D], None), the layout the model's ``o_proj`` expects.
-    """
-    plan = minikv_plan
-    if plan is None:
-        raise RuntimeError(
-            f"attention '{ATTN_NAME}' runs only inside ModelRunner.execute (it needs the step's block "
-            f"tables); set model.config._attn_implementation back to 'sdpa' to use the model alone"
-        )
-    layer = module.layer_idx
+def _attention(plan: StepPlan, layer: int, query, key, value, scaling: float) -> torch.Tensor:
+    """One layer's attention over a planned step: store the new K/V, then attend. Returns [1, T, H, D]."""
     k_store, v_store = plan.k_stores[layer], plan.v_stores[layer]
     kv_heads, _, _, head_dim = k_store.shape
     num_heads, num_tokens = query.shape[1], query.shape[2]
-    scaling = scaling if scaling is not None else head_dim**-0.5
     # 1. Store this step's keys and values at their slots (prefill chunks and decode tokens alike).
     k_store.view(kv_heads, -1, head_dim).index_copy_(1, plan.slots, key[0].to(k_store.dtype))
     v_store.view(kv_heads, -1, head_dim).index_copy_(1, plan.slots, value[0].to(v_store.dtype))
@@ -251,7 +238,46 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         for group in plan.kernel_groups:
             q = query[0, :, group.out_index].transpose(0, 1)  # [S, H, D]
             out[group.out_index] = kernel_decode(q, k_store, v_store, group, scaling)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
+
+
+# The plan of the step a compiled forward is running, per thread (set by ModelRunner._compiled_forward).
+# A compiled graph calls each layer's attention as one opaque operator, which reads the plan from here, as
+# vLLM's attention reads its forward context: the graph never sees a plan's Python structure (its groups,
+# masks, kernel), so one graph serves every step, prefill chunks and decodes mixed in any way.
+_COMPILED = threading.local()
+
+
+@torch.library.custom_op("minikv_speed::paged_attention", mutates_args=())
+def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                       scaling: float) -> torch.Tensor:
+    """:func:`paged_attention_forward` as one operator, for compiled graphs (it writes the layer's K/V store,
+    which is not an argument: the graph orders the layers' calls by their data, as it does any operator's)."""
+    return _attention(_COMPILED.plan, layer, query, key, value, scaling)
+
+
+@paged_attention_op.register_fake
+def _(query, key, value, layer, scaling):
+    return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
+
+
+@spanned(SPAN_ATTENTION)
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            minikv_plan: StepPlan | None = None, **kwargs):
+    """The attention function ``transformers`` calls in every layer (registered as ``"minikv_paged"``).
+
+    query [1, H, T, D], key/value [1, KVH, T, D]: this step's tokens, rotary already applied.
+    Returns ([1, T, H, D], None), the layout the model's ``o_proj`` expects.
+    """
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if torch.compiler.is_compiling():   # traced by torch.compile: one opaque call (see paged_attention_op)
+        return paged_attention_op(query, key, value, module.layer_idx, scaling), None
+    if minikv_plan is None:
+        raise RuntimeError(
+            f"attention '{ATTN_NAME}' runs only inside ModelRunner.execute (it needs the step's block "
+            f"tables); set model.config._attn_implementation back to 'sdpa' to use the model alone"
+        )
+    return _attention(minikv_plan, module.layer_idx, query, key, value, scaling), None
 
 
 def _no_mask(*args, **kwargs):
@@ -284,9 +310,10 @@ class ModelRunner:
     The speed levers (``minikv.speed``), each the runner's own:
     ``prepack_linears=None`` prepacks the linear weights for oneDNN on the CPU in fp32 (see
     :class:`PackedLinears`); ``False`` keeps eager ``F.linear``.
-    ``compile=True`` runs decode steps through ``torch.compile`` (see ``minikv.speed.compile``), compiling
-    once here: one to five minutes of start-up on two busy cores for a faster step (its matmuls stay on the
-    packed weights, through ``minikv.speed.linears.packed_linear``).
+    ``compile=True`` runs every step of two tokens or more through ``torch.compile`` (see
+    ``minikv.speed.compile``), compiling once here: one to five minutes of start-up on two busy cores for a
+    faster step (its matmuls stay on the packed weights, through ``minikv.speed.linears.packed_linear``, and
+    each layer's attention is one opaque call, :func:`paged_attention_op`).
     ``decode_graphs=True`` runs decode steps of up to ``max_num_seqs`` sequences through CUDA graphs
     captured here (``minikv.speed.graphs``; on the CPU the same plan runs eagerly). Their padding rows
     need a scratch block no sequence is ever given, so the pool gets one block more than ``num_blocks``
@@ -331,20 +358,19 @@ class ModelRunner:
                                        scratch_block=num_blocks)
 
     def _compile(self) -> None:
-        """torch.compile the forward for decode steps (minikv.speed.compile) and compile it now."""
-        if self.attn_backend != CPU_KERNEL:
-            raise ValueError("compile=True needs the CPU attention kernel (a float32 model on the CPU, cpu_kernel "
-                             "not False): the gather path's plan changes shape from step to step")
-        from minikv.speed.compile import WARM_UP_SEQS, WARM_UP_WIDTH, CompiledForward
+        """torch.compile the forward (minikv.speed.compile) and compile it now, on one warm-up step."""
+        from minikv.speed.compile import WARM_UP_DECODES, WARM_UP_PREFILL, CompiledForward
 
         # Set first: the warm-up step runs through it. With packed linears the graph needs no freezing.
         compiled = self.compiled = CompiledForward(self.model, freezing=self.packed is None)
-        s, w, b = WARM_UP_SEQS, WARM_UP_WIDTH, self.block_size
-        if self.num_blocks >= s * w:  # else it compiles on the first step that applies
-            # A decode step over blocks that are all free now (what it writes there is overwritten later).
-            compiled.warm_up(lambda: self.execute([
-                SeqStep(i, [0], (w - 1) * b, list(range(i * w, (i + 1) * w)), [((i + 1) * w - 1) * b], True)
-                for i in range(s)]))
+        s, p, b = WARM_UP_DECODES, WARM_UP_PREFILL, self.block_size
+        w = blocks_for(p, b)
+        if self.num_blocks >= s + w:  # else it compiles on the first step that applies
+            # Decodes and a prompt's first chunk, over blocks that are all free now (what it writes there is
+            # overwritten later): tokens T = s + p and logit rows s + 1 differ, so neither size is tied to the other.
+            decodes = [SeqStep(i, [0], b - 1, [i], [(i + 1) * b - 1], True) for i in range(s)]
+            prefill = SeqStep(s, [0] * p, 0, list(range(s, s + w)), list(range(s * b, s * b + p)), True)
+            compiled.warm_up(lambda: self.execute([*decodes, prefill]))
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -445,17 +471,31 @@ class ModelRunner:
     def forward(self, plan: StepPlan, input_ids, position_ids, logit_rows) -> torch.Tensor:
         """The model's forward over a planned step: float32 logits of the rows in logit_rows.
         (``minikv.speed.graphs`` calls it with a plan over its persistent buffers, to capture it.)"""
-        forward, packed = self.model, self.packed.active() if self.packed is not None else nullcontext()
         if self.compiled is not None and self.compiled.applies(plan):
-            # The graph's matmuls are our packed_linear operator on the packed weights (minikv.speed.linears);
-            # without packed weights, inductor's own (freezing prepacks what it can).
-            forward = self.compiled.forward
-            packed = self.packed.active(graph=True) if self.packed is not None else nullcontext()
-            self.compiled.steps += 1
+            return self._compiled_forward(plan, input_ids, position_ids, logit_rows)
+        packed = self.packed.active() if self.packed is not None else nullcontext()
         with self._paged_attention(), packed:
-            out = forward(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                          logits_to_keep=logit_rows, minikv_plan=plan)
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                             logits_to_keep=logit_rows, minikv_plan=plan)
         return out.logits[0].float()
+
+    def _compiled_forward(self, plan: StepPlan, input_ids, position_ids, logit_rows) -> torch.Tensor:
+        """The step through the compiled graph: the plan goes to the attention operator beside the graph, not
+        through it; a single logit row is asked for twice, so that the graph never sees a size of 1 (torch
+        specializes sizes 0 and 1: one graph more to compile)."""
+        rows = logit_rows if len(logit_rows) > 1 else logit_rows.repeat(2)
+        # The graph's matmuls are our packed_linear operator on the packed weights (minikv.speed.linears);
+        # without packed weights, inductor's own (freezing prepacks what it can).
+        packed = self.packed.active(graph=True) if self.packed is not None else nullcontext()
+        self.compiled.steps += 1
+        _COMPILED.plan = plan
+        try:
+            with self._paged_attention(), packed:
+                out = self.compiled.forward(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                            logits_to_keep=rows)
+        finally:
+            _COMPILED.plan = None
+        return out.logits[0, :len(logit_rows)].float()
 
     # -- block operations the block manager asks for ------------------------------------------------
 

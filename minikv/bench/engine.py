@@ -291,7 +291,7 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--ablate", action="store_true",
                         help="also run minikv with each speed lever switched off, back to back (what each is worth)")
     parser.add_argument("--compile", action="store_true",
-                        help="also run minikv with compile=True (torch.compile of decode steps; its start-up printed)")
+                        help="also run minikv with compile=True (torch.compile of every step; its start-up printed)")
     parser.add_argument("--decode-graphs", action="store_true",
                         help="also run minikv with decode_graphs=True (CUDA graphs on a GPU; on a CPU the same "
                              "plan, run eagerly)")

@@ -106,9 +106,18 @@ class _Merged:
         return forward
 
 
+# Calls of fewer rows than this run eager F.linear on the raw weight (see PackedLinears: measured), the lm_head's
+# excepted (LM_HEAD_SIZE weights or more), which is packed at every row count.
+MIN_ROWS, LM_HEAD_SIZE = 4, 10**7
+
+
 @torch.library.custom_op("minikv_speed::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` computed on ``weight``'s oneDNN-packed copy (packed now if it has none)."""
+    """``F.linear(x, weight, bias)`` computed on ``weight``'s oneDNN-packed copy (packed now if it has none);
+    a call of fewer than :data:`MIN_ROWS` rows on eager ``F.linear``, as the eager path does (decided here, at
+    run time, since a compiled graph's row count is symbolic)."""
+    if x.numel() < MIN_ROWS * x.shape[-1] and weight.numel() < LM_HEAD_SIZE:
+        return torch.nn.functional.linear(x, weight, bias)
     entry = _BY_WEIGHT.get(weight.data_ptr())
     packed = entry[2]() if entry is not None and entry[:2] == (weight._version, tuple(weight.shape)) else None
     if packed is None:  # no live, current copy: pack now (correct, if slow; never a stale copy)
@@ -147,14 +156,14 @@ class PackedLinears:
     ``compile=True``.
     """
 
-    def __init__(self, model: torch.nn.Module, min_rows: int = 4, merge: bool = True):
+    def __init__(self, model: torch.nn.Module, min_rows: int = MIN_ROWS, merge: bool = True):
         self.forwards: dict[torch.nn.Module, object] = {}
         self.graph_forwards: dict[torch.nn.Module, object] = {}  # the same, through packed_linear (compiled)
         merged = self._merge(model, min_rows) if merge else {}
         self.forwards.update(merged)
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32 and module not in merged:
-                small = module.weight.shape[0] * module.weight.shape[1] < 10**7  # not the lm_head
+                small = module.weight.numel() < LM_HEAD_SIZE  # not the lm_head
                 self.forwards[module] = self._forward(module, _packed(module), min_rows if small else 1)
                 self.graph_forwards[module] = self._graph_forward(module)
 
