@@ -30,6 +30,16 @@ __all__ = ["MERGED", "PackedLinears", "packed_linear"]
 # Names of sibling linears a module calls on one input, in the order it calls them (Llama, Mistral, Qwen2...).
 MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
+# Calls of fewer rows than this run eager F.linear on the raw weight (see PackedLinears: measured), the lm_head's
+# excepted (LM_HEAD_SIZE weights or more), which is packed at every row count.
+MIN_ROWS, LM_HEAD_SIZE = 4, 10**7
+
+
+def few_rows(x: torch.Tensor, min_rows: int = MIN_ROWS) -> bool:
+    """Whether a call on `x` has fewer than `min_rows` rows: the one test of the eager and the compiled paths."""
+    return x.numel() < min_rows * x.shape[-1]
+
+
 # One packed copy per linear module, shared by every runner of its model (a notebook or a test suite
 # builds many engines on one model: each would otherwise hold its own ~0.5 GB for SmolLM2). An entry
 # is reused only while the weight is the same tensor, unmodified (same storage, same version counter).
@@ -92,7 +102,7 @@ class _Merged:
         weight, bias = self.modules[i].weight, self.modules[i].bias
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            if x.numel() < self.min_rows * x.shape[-1]:
+            if few_rows(x, self.min_rows):
                 return torch.nn.functional.linear(x, weight, bias)
             if x is not self.input or self.pending == 0:
                 out = linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -106,17 +116,12 @@ class _Merged:
         return forward
 
 
-# Calls of fewer rows than this run eager F.linear on the raw weight (see PackedLinears: measured), the lm_head's
-# excepted (LM_HEAD_SIZE weights or more), which is packed at every row count.
-MIN_ROWS, LM_HEAD_SIZE = 4, 10**7
-
-
 @torch.library.custom_op("minikv_speed::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed on ``weight``'s oneDNN-packed copy (packed now if it has none);
     a call of fewer than :data:`MIN_ROWS` rows on eager ``F.linear``, as the eager path does (decided here, at
     run time, since a compiled graph's row count is symbolic)."""
-    if x.numel() < MIN_ROWS * x.shape[-1] and weight.numel() < LM_HEAD_SIZE:
+    if few_rows(x) and weight.numel() < LM_HEAD_SIZE:
         return torch.nn.functional.linear(x, weight, bias)
     entry = _BY_WEIGHT.get(weight.data_ptr())
     packed = entry[2]() if entry is not None and entry[:2] == (weight._version, tuple(weight.shape)) else None
@@ -186,7 +191,7 @@ class PackedLinears:
         weight, bias = module.weight, module.bias
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            if x.numel() < min_rows * x.shape[-1]:
+            if few_rows(x, min_rows):
                 return torch.nn.functional.linear(x, weight, bias)
             return linear_pointwise(x, packed, bias, "none", [], "")
 
