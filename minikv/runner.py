@@ -346,7 +346,7 @@ class ModelRunner:
         self.k_pools = [store.permute(1, 2, 0, 3) for store in self.k_stores]
         self.v_pools = [store.permute(1, 2, 0, 3) for store in self.v_stores]
         self.bytes_per_block = kv_bytes_per_block(kv_shape, block_size, self.dtype)
-        self.packed = (PackedLinears(model, merge=not compile) if PackedLinears.wanted(model, prepack_linears)
+        self.packed = (PackedLinears(model) if PackedLinears.wanted(model, prepack_linears)
                        else None)
         self.compiled = self.graphs = None   # both None until built: the compile warm-up runs a step
         if compile:

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from minikv.bench.steps import VLLM_SCRIPT, cli, measure
+from minikv.bench import vllm_peer
+from minikv.bench.steps import cli, measure
 
 SPEC = {"seed": 0, "low": 3, "high": 50, "prefill": 12, "context": 7, "batches": [1, 3], "steps": 5, "repeat": 3}
 
@@ -24,7 +25,7 @@ def fake_engine(calls: list):
 
 def test_measure_recovers_a_step_and_a_prefill():
     calls = []
-    out = measure(fake_engine(calls), SPEC)
+    out = measure({"fake": fake_engine(calls)}, SPEC, pause=0)["fake"]
     assert out["prefill"] == pytest.approx(0.1 + 0.002 * 12)
     assert out["decode_b1"] == pytest.approx(0.01)
     assert out["decode_b3"] == pytest.approx(0.03)
@@ -36,9 +37,40 @@ def test_measure_recovers_a_step_and_a_prefill():
     assert len(set(prompts)) == len(prompts), "every call gets fresh prompts"
 
 
-def test_vllm_script_runs_the_same_procedure():
-    assert "def measure(run, spec: dict)" in VLLM_SCRIPT
-    compile(VLLM_SCRIPT, "<vllm steps script>", "exec")  # the source vLLM's interpreter is given parses
+def test_engines_take_turns_on_the_same_prompts():
+    a, b = [], []
+    out = measure({"a": fake_engine(a), "b": fake_engine(b)}, SPEC, pause=0)
+    assert out["a"] == out["b"] and [p for p, _ in a] == [p for p, _ in b]
+    # one log of both engines' calls, in the order they were made: the first engine of each call rotates
+    order = []
+    measure({"a": lambda p, k: order.append("a") or 0.0, "b": lambda p, k: order.append("b") or 0.0}, SPEC, pause=0)
+    assert order[:6] == ["a", "b", "b", "a", "a", "b"]
+
+
+# A stand-in for vLLM's worker, in this interpreter: the same protocol, a generate that takes 0.01 s a prompt.
+FAKE_WORKER = r"""
+import json, sys, time
+spec = json.load(open(sys.argv[1]))
+print("some log line", flush=True)
+print("MINIKV-READY", flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    if request["max_tokens"] == 0:
+        sys.exit("asked for no tokens")
+    print("MINIKV-RESULT " + json.dumps({"seconds": 0.01 * len(request["prompts"]) * spec["scale"]}), flush=True)
+"""
+
+
+def test_the_worker_protocol_and_a_worker_that_dies():
+    with vllm_peer.Worker({"scale": 2}, script=FAKE_WORKER, exe=sys.executable, timeout=60) as worker:
+        assert worker.run([[1, 2], [3]], 4) == pytest.approx(0.04)
+        assert worker.run([[1]], 4) == pytest.approx(0.02)
+        with pytest.raises(RuntimeError, match="asked for no tokens"):
+            worker.run([[1]], 0)
+
+
+def test_the_vllm_worker_script_parses():
+    compile(vllm_peer.WORKER, "<vllm worker>", "exec")
 
 
 def bench(*args, timeout=300):

@@ -227,16 +227,39 @@ def test_packed_linear_operator_is_the_linear_on_the_current_packed_weight():
         torch.testing.assert_close(packed_linear(x, proj.weight, None), x @ proj.weight.T, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [2, 5])
+def test_merged_linear_operator_is_the_siblings_side_by_side(rows):
+    """The compiled graph's operator for sibling linears: their outputs side by side, bitwise the eager merged
+    path's (fewer than four rows: each sibling's F.linear), never on a stale packed copy."""
+    from minikv.speed.linears import merged_linear
+
+    model = tiny("qwen2")
+    runner = ModelRunner(model, 16, 16)   # packs the merged siblings
+    attn = model.model.layers[0].self_attn
+    group = (attn.q_proj, attn.k_proj, attn.v_proj)
+    x = torch.randn(rows, attn.q_proj.in_features)
+    args = (x, [m.weight for m in group], [m.bias for m in group])
+    with torch.inference_mode():
+        assert torch.equal(merged_linear(*args), torch.cat([runner.packed.forwards[m](x) for m in group], -1))
+    torch.library.opcheck(merged_linear, args, test_utils=("test_schema", "test_faketensor"))
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(2)   # in place: the operator must not use the old merged copy
+    with torch.inference_mode():
+        torch.testing.assert_close(merged_linear(*args), torch.cat(
+            [torch.nn.functional.linear(x, m.weight, m.bias) for m in group], -1), atol=1e-5, rtol=1e-5)
+
+
 def test_compiled_decode_step_runs_its_matmuls_on_the_packed_weights():
-    """compile=True with packed linears: every matmul of a compiled decode step of five sequences is our
-    packed_linear operator on the copies packed at start (no sgemm on raw weights, no packing per step)."""
+    """compile=True with packed linears: every matmul of a compiled decode step of five sequences runs on the
+    copies packed at start (no sgemm on raw weights, no packing per step): one merged_linear per sibling group
+    (q/k/v with their biases, gate/up), packed_linear for the others."""
     from torch.profiler import profile
 
     from kernels import paged_attention_cpu
 
     if paged_attention_cpu.load() is None:
         pytest.skip(f"compile=True needs the CPU kernel: {paged_attention_cpu.why_not}")
-    model = tiny("llama")
+    model = tiny("qwen2")
     runner = ModelRunner(model, 64, 16, compile=True)
     blocks = Blocks(64, 16)
     for i in range(5):   # five sequences: a step of four rows or more runs every matmul packed
@@ -248,7 +271,13 @@ def test_compiled_decode_step_runs_its_matmuls_on_the_packed_weights():
     assert runner.compiled.steps == before + 1
     calls = {e.key: e.count for e in prof.key_averages()}
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert calls.get("mkldnn::_linear_pointwise") == linears
+    layers = model.config.num_hidden_layers
+    assert "minikv_speed::merged_linear" in calls
+    assert calls.get("mkldnn::_linear_pointwise") == linears - 3 * layers   # 7 linears a layer: 2 merged + 2
+    logits = runner.execute([blocks.step(i, [9]) for i in range(5)])
+    for i in range(5):
+        torch.testing.assert_close(logits[i], plain_last_logits(model, [1] + [5 + i] * 20 + [7, 9]), atol=1e-5,
+                                   rtol=1e-5)
     assert not {"aten::mm", "aten::addmm", "aten::linear", "mkldnn::_reorder_linear_weight"} & set(calls)
 
 

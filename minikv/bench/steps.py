@@ -11,8 +11,10 @@ own ``generate`` (so a step's scheduling and sampling count, as they do when ser
   both halves of a pair.
 
 Prompts are fresh random token ids every call (vLLM's prefix caching is off; minikv's finds nothing to
-share in them). :func:`measure` is the one procedure: minikv runs it here, and vLLM's interpreter runs
-its source in ``.venv-vllm``.
+share in them). Every engine of the run (minikv, with ``--compile`` minikv compiled too, with ``--vllm``
+vLLM in its own virtualenv as a :class:`~minikv.bench.vllm_peer.Worker`) is alive at once and makes each
+call in turn on the same prompts, so the machine's slow spells, which last minutes on a shared host,
+land on all of them alike.
 
 ``--model depth30`` is a random Llama with SmolLM2's depth, heads and head size (30 layers, 64-wide
 heads) but a width of 192: its matmuls cost next to nothing, so what is left of a step is each
@@ -22,65 +24,61 @@ engine's cost per layer and per step (Python, operator dispatch, launching kerne
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import tempfile
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from minikv.bench import vllm_peer
+
+PAUSE = 0.3  # seconds before each timed call, so the engine that ran last is idle (Intel OpenMP spins 0.2 s)
 
 DEPTH30 = dict(num_hidden_layers=30, hidden_size=192, intermediate_size=256, num_attention_heads=3,
                num_key_value_heads=1, head_dim=64, vocab_size=1024, max_position_embeddings=2048,
                tie_word_embeddings=True)
 
 
-def measure(run, spec: dict) -> dict:
-    """Seconds of a prefill and of a decode step at each batch, timed with ``run(prompts, max_tokens)``
-    (an engine's generate; returns seconds). Standard library only: vLLM's side runs this source."""
+def measure(runs: dict, spec: dict, pause: float = PAUSE) -> dict:
+    """Seconds of a prefill and of a decode step at each batch, for each engine in `runs` (a name to its
+    ``run(prompts, max_tokens) -> seconds``). Every call is made by each engine in turn on the same fresh
+    prompts, the order rotating, after `pause` seconds in which the engine that ran last goes idle."""
     import random
     import statistics
 
     rng = random.Random(spec["seed"])
+    names = list(runs)
+    turn = 0
+
+    def each(prompts: list[list[int]], max_tokens: int) -> dict:
+        nonlocal turn
+        seconds = {}
+        for name in names[turn:] + names[:turn]:
+            time.sleep(pause)
+            seconds[name] = runs[name](prompts, max_tokens)
+        turn = (turn + 1) % len(names)
+        return seconds
 
     def prompts(n: int, length: int) -> list[list[int]]:
         return [[rng.randrange(spec["low"], spec["high"]) for _ in range(length)] for _ in range(n)]
 
-    run(prompts(2, 16), 4)  # warm-up: first-call costs (allocations, lazy builds) are not a step's
-    out = {"prefill": statistics.median(run(prompts(1, spec["prefill"]), 1) for _ in range(spec["repeat"]))}
+    each(prompts(2, 16), 4)  # warm-up: first-call costs (allocations, lazy builds) are not a step's
+    calls = [each(prompts(1, spec["prefill"]), 1) for _ in range(spec["repeat"])]
+    out = {name: {"prefill": statistics.median(c[name] for c in calls)} for name in names}
     for batch in spec["batches"]:
-        differences = []
-        for _ in range(spec["repeat"]):
-            one = run(prompts(batch, spec["context"]), 1)
-            differences.append(run(prompts(batch, spec["context"]), 1 + spec["steps"]) - one)
-        out[f"decode_b{batch}"] = statistics.median(differences) / spec["steps"]
+        pairs = [(each(prompts(batch, spec["context"]), 1), each(prompts(batch, spec["context"]), 1 + spec["steps"]))
+                 for _ in range(spec["repeat"])]
+        for name in names:
+            out[name][f"decode_b{batch}"] = statistics.median(b[name] - a[name] for a, b in pairs) / spec["steps"]
     return out
 
 
-VLLM_SCRIPT = r"""
-import json, sys, time
-spec = json.load(open(sys.argv[1]))
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-llm = LLM(model=spec["model_dir"], dtype="float32", max_model_len=spec["max_model_len"], seed=0,
-          enable_prefix_caching=False, skip_tokenizer_init=spec["skip_tokenizer"])
-def run(prompts, max_tokens):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                            detokenize=not spec["skip_tokenizer"])
-    start = time.perf_counter()
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - start
-""" + inspect.getsource(measure) + r"""
-json.dump(measure(run, spec), open(sys.argv[2], "w"))
-"""
-
-
-def minikv_run(model, tokenizer):
-    """``run(prompts, max_tokens) -> seconds`` on one minikv engine with its defaults."""
+def minikv_run(model, tokenizer, compile: bool = False):
+    """``run(prompts, max_tokens) -> seconds`` on one minikv engine with its defaults (and ``compile``)."""
     from minikv.engine import LLM
     from minikv.sampling import SamplingParams
 
-    llm = LLM(model, tokenizer=tokenizer, verbose=False)
+    llm = LLM(model, tokenizer=tokenizer, verbose=False, compile=compile)
 
     def run(prompts: list[list[int]], max_tokens: int) -> float:
         params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)] * len(prompts)
@@ -102,17 +100,19 @@ def load(name: str):
     return load_model(name, device="cpu", dtype=torch.float32)
 
 
-def run_vllm(model, tokenizer, spec: dict, venv: Path) -> dict:
-    """:func:`measure` in vLLM's interpreter, on the same model (depth30: its random weights saved for it)."""
+@contextmanager
+def vllm_worker(model, tokenizer, spec: dict, venv: Path):
+    """vLLM's CPU build on the same model, answering timed calls (depth30: its random weights saved for it)."""
     from minikv.models import smollm2_dir
 
     longest = max(spec["prefill"], spec["context"] + 1 + spec["steps"])
-    spec = {**spec, "max_model_len": max(1024, longest), "skip_tokenizer": tokenizer is None}
-    if tokenizer is not None:
-        return vllm_peer.run_script(VLLM_SCRIPT, {**spec, "model_dir": str(smollm2_dir())}, venv=venv)
+    settings = {"max_model_len": max(1024, longest), "skip_tokenizer": tokenizer is None}
     with tempfile.TemporaryDirectory(prefix="minikv-depth30-") as folder:
-        model.save_pretrained(folder)
-        return vllm_peer.run_script(VLLM_SCRIPT, {**spec, "model_dir": folder}, venv=venv)
+        if tokenizer is None:
+            model.save_pretrained(folder)
+        with vllm_peer.Worker({**settings, "model_dir": folder if tokenizer is None else str(smollm2_dir())},
+                              venv=venv) as worker:
+            yield worker.run
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -125,6 +125,8 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per call (default 32)")
     parser.add_argument("--repeat", type=int, default=5, help="calls per figure, the median kept (default 5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also minikv with compile=True (its start-up is not timed)")
     parser.add_argument("--vllm", action="store_true", help="also vLLM's CPU build (.venv-vllm, `make vllm`)")
     parser.add_argument("--vllm-venv", default=str(vllm_peer.VENV), help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -146,9 +148,13 @@ def cli(argv: list[str] | None = None) -> int:
     spec = {"seed": args.seed, "low": 3 if args.model == "depth30" else 100, "high": min(vocab, 40000),
             "prefill": args.prefill, "context": args.context, "batches": batches, "steps": args.steps,
             "repeat": args.repeat}
-    results = {"minikv": measure(minikv_run(model, tokenizer), spec)}
-    if args.vllm:
-        results["vllm"] = run_vllm(model, tokenizer, spec, Path(args.vllm_venv))
+    runs = {"minikv": minikv_run(model, tokenizer)}
+    if args.compile:
+        runs["minikv+compile"] = minikv_run(model, tokenizer, compile=True)
+    with ExitStack() as stack:
+        if args.vllm:
+            runs["vllm"] = stack.enter_context(vllm_worker(model, tokenizer, spec, Path(args.vllm_venv)))
+        results = measure(runs, spec)
     report = {"model": args.model, "spec": spec, "seconds": results}
     if args.json:
         print(json.dumps(report, indent=2))
@@ -156,13 +162,15 @@ def cli(argv: list[str] | None = None) -> int:
     labels = {"prefill": f"prefill, {args.prefill} tokens"}
     labels.update({f"decode_b{b}": f"decode step, batch {b} (context {args.context})" for b in batches})
     print(f"{args.model}, fp32, {args.repeat} calls per figure (median)")
-    header = f"{'shape':<40}{'minikv ms':>12}" + (f"{'vLLM ms':>12}{'minikv/vLLM':>14}" if args.vllm else "")
+    ours = [name for name in ("minikv", "minikv+compile") if name in results]
+    header = f"{'shape':<40}" + "".join(f"{name + ' ms':>20}" for name in ours)
+    if args.vllm:
+        header += f"{'vLLM ms':>12}" + "".join(f"{name + '/vLLM':>20}" for name in ours)
     print(header)
     for key, label in labels.items():
-        mine = results["minikv"][key] * 1e3
-        line = f"{label:<40}{mine:>12.1f}"
+        line = f"{label:<40}" + "".join(f"{results[name][key] * 1e3:>20.1f}" for name in ours)
         if args.vllm:
-            theirs = results["vllm"][key] * 1e3
-            line += f"{theirs:>12.1f}{mine / theirs:>14.2f}"
+            theirs = results["vllm"][key]
+            line += f"{theirs * 1e3:>12.1f}" + "".join(f"{results[name][key] / theirs:>20.2f}" for name in ours)
         print(line)
     return 0

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["MERGED", "PackedLinears", "packed_linear"]
+__all__ = ["MERGED", "PackedLinears", "merged_linear", "packed_linear"]
 
 # Names of sibling linears a module calls on one input, in the order it calls them (Llama, Mistral, Qwen2...).
 MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -64,12 +64,15 @@ def _packed(module: torch.nn.Linear) -> torch.Tensor:
 # dense weight. Weak references: the packed copy lives as long as its module's entry in _PACKED, never
 # longer (a notebook that builds and drops many engines must not keep their copies).
 _BY_WEIGHT: dict[int, tuple[int, tuple[int, ...], weakref.ref]] = {}
+# The same for merged siblings' packed copy, by their weights' data pointers: (versions, shapes, copy).
+_BY_WEIGHTS: dict[tuple[int, ...], tuple[tuple[int, ...], tuple, weakref.ref]] = {}
 
 
 class _Merged:
     """One packed matmul for sibling linears: the first sibling called computes every sibling's output; the
     others take their slice when called with that same input tensor (else they compute afresh). Calls of
-    fewer than ``min_rows`` rows run each sibling's own eager ``F.linear`` instead."""
+    fewer than ``min_rows`` rows run each sibling's own eager ``F.linear`` instead. In a compiled graph the
+    same logic runs once, when the graph is traced: the graph holds one :func:`merged_linear` per group."""
 
     def __init__(self, modules: list[torch.nn.Linear], min_rows: int):
         self.modules, self.min_rows = modules, min_rows
@@ -90,6 +93,9 @@ class _Merged:
                 entry = (stamp, (torch.ops.mkldnn._reorder_linear_weight(weight, None), bias))
             if not modules[0].weight.is_inference():
                 _PACKED_MERGED[modules[0]] = entry
+                _BY_WEIGHTS[tuple(m.weight.data_ptr() for m in modules)] = (
+                    tuple(m.weight._version for m in modules), tuple(tuple(m.weight.shape) for m in modules),
+                    weakref.ref(entry[1][0]))
         return entry[1]
 
     @staticmethod
@@ -97,15 +103,22 @@ class _Merged:
         first = modules[0]   # the caller has checked that each is an fp32 nn.Linear
         return all(m.in_features == first.in_features and (m.bias is None) == (first.bias is None) for m in modules)
 
-    def forward_of(self, i: int):
+    def forward_of(self, i: int, graph: bool = False):
+        """Sibling i's forward; ``graph=True``: through :func:`merged_linear`, for a forward torch.compile traces
+        (the modules' own parameters are its arguments, so the graph sees parameters)."""
         linear_pointwise = torch.ops.mkldnn._linear_pointwise
         weight, bias = self.modules[i].weight, self.modules[i].bias
+        modules = self.modules
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            if few_rows(x, self.min_rows):
+            if not graph and few_rows(x, self.min_rows):
                 return torch.nn.functional.linear(x, weight, bias)
             if x is not self.input or self.pending == 0:
-                out = linear_pointwise(x, self.packed, self.bias, "none", [], "")
+                if graph:
+                    out = merged_linear(x, [m.weight for m in modules],
+                                        [m.bias for m in modules] if modules[0].bias is not None else [])
+                else:
+                    out = linear_pointwise(x, self.packed, self.bias, "none", [], "")
                 self.input, self.outputs, self.pending = x, out.split(self.sizes, dim=-1), len(self.sizes)
             self.pending -= 1
             out = self.outputs[i]
@@ -135,6 +148,29 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+@torch.library.custom_op("minikv_speed::merged_linear", mutates_args=())
+def merged_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+    """Sibling linears on one input, their outputs side by side (``biases``: one per weight, or none): one
+    matmul on the siblings' merged packed copy; a call of fewer than :data:`MIN_ROWS` rows, each sibling's
+    eager ``F.linear``, as the eager path does."""
+    if few_rows(x):
+        return torch.cat([torch.nn.functional.linear(x, w, b)
+                          for w, b in zip(weights, biases or [None] * len(weights))], dim=-1)
+    entry = _BY_WEIGHTS.get(tuple(w.data_ptr() for w in weights))
+    current = entry is not None and entry[:2] == (tuple(w._version for w in weights),
+                                                  tuple(tuple(w.shape) for w in weights))
+    packed = entry[2]() if current else None
+    if packed is None:  # no live, current copy: pack now (correct, if slow; never a stale copy)
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]), None)
+    bias = torch.cat(biases) if biases else None
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@merged_linear.register_fake
+def _(x, weights, biases):
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+
+
 class PackedLinears:
     """oneDNN-prepacked copies of a model's fp32 ``nn.Linear`` weights, active only inside :meth:`active`.
 
@@ -156,16 +192,16 @@ class PackedLinears:
 
     ``merge=True`` (the default) runs the siblings named in :data:`MERGED` as one matmul each group, on the
     packed path (a call of fewer rows still runs each sibling's own ``F.linear``: merging would need a dense
-    copy of the joined weights, memory for one or two milliseconds). A compiled graph calls :func:`packed_linear`
-    per module, which needs each module's own packed copy, so the runner passes ``merge=False`` with
-    ``compile=True``.
+    copy of the joined weights, memory for one or two milliseconds). A compiled graph calls
+    :func:`merged_linear` for each group and :func:`packed_linear` for every other linear.
     """
 
     def __init__(self, model: torch.nn.Module, min_rows: int = MIN_ROWS, merge: bool = True):
         self.forwards: dict[torch.nn.Module, object] = {}
         self.graph_forwards: dict[torch.nn.Module, object] = {}  # the same, through packed_linear (compiled)
-        merged = self._merge(model, min_rows) if merge else {}
+        merged, graph_merged = self._merge(model, min_rows) if merge else ({}, {})
         self.forwards.update(merged)
+        self.graph_forwards.update(graph_merged)
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32 and module not in merged:
                 small = module.weight.numel() < LM_HEAD_SIZE  # not the lm_head
@@ -173,9 +209,9 @@ class PackedLinears:
                 self.graph_forwards[module] = self._graph_forward(module)
 
     @staticmethod
-    def _merge(model: torch.nn.Module, min_rows: int) -> dict[torch.nn.Module, object]:
-        """The forwards of every mergeable sibling group in :data:`MERGED`, by module."""
-        forwards = {}
+    def _merge(model: torch.nn.Module, min_rows: int) -> tuple[dict, dict]:
+        """The forwards of every mergeable sibling group in :data:`MERGED`, by module: eager, and for a graph."""
+        forwards, graph_forwards = {}, {}
         for parent in model.modules():
             for names in MERGED:
                 modules = [getattr(parent, n, None) for n in names]
@@ -183,7 +219,8 @@ class PackedLinears:
                         and _Merged.mergeable(modules):
                     group = _Merged(modules, min_rows)
                     forwards.update({m: group.forward_of(i) for i, m in enumerate(modules)})
-        return forwards
+                    graph_forwards.update({m: group.forward_of(i, graph=True) for i, m in enumerate(modules)})
+        return forwards, graph_forwards
 
     @staticmethod
     def _forward(module, packed, min_rows):
