@@ -13,11 +13,14 @@
 // * ATen's parallel_for spreads the items over PyTorch's own thread pool (torch.get_num_threads()),
 //   so no second pool competes with the matmuls' threads;
 // * the loops walk the block table a block at a time: no division per token to find its block;
-// * where the compiler targets AVX-512 (x86 with -march=native on such a CPU) and head_dim is a multiple
-//   of 16, an item with G <= 8 runs `item_avx512<G>`: each dot product's 16 lanes are summed by a
-//   shuffle tree (a running sum over the lanes is 16 dependent scalar adds), and the G output rows of
-//   pass 2 stay in registers over every V row instead of being loaded and stored per row. Pass 2's
-//   sums keep their order (token by token, one fused multiply-add each).
+// * where the compiler targets AVX-512 (x86 with -march=native on such a CPU) and head_dim is 64 or 128,
+//   an item with G <= 8 runs `item_avx512<G, NV>` (NV = head_dim / 16 vectors a row): each dot product's
+//   16 lanes are summed by a shuffle tree (a running sum over the lanes is 16 dependent scalar adds), and
+//   pass 2 keeps all G output rows in registers while it reads each V row once, in order. Pass 2's sums
+//   keep their order (token by token, one fused multiply-add each);
+// * decode attention is a stream of K/V from memory, and a block of one head (16 rows of 64 floats) is
+//   one 4 KiB page, where the CPU's own prefetcher stops: while a block is read, the next block of the
+//   table is prefetched row by row, so the memory's latency overlaps the arithmetic.
 //
 // fp32 only (the CPU's parity path); the runner keeps the PyTorch path for other dtypes.
 // Layouts, as the runner stores them:
@@ -105,29 +108,68 @@ void item_generic(const Item& it, int64_t G) {
 }
 
 #if defined(__AVX512F__)
-// The same item with AVX-512 registers, head_dim a multiple of 16, G known at compile time.
-template <int G>
+// for_each_row over one head's rows, prefetching: while row j of a block is handed to fn, row j of the
+// table's next block is asked for (its NV cache lines), so the next page is in cache when fn gets there.
+template <int NV, class Fn>
+inline void for_each_row_prefetching(const Item& it, const float* head, Fn fn) {
+  for (int64_t start = 0, b = 0; start < it.len; start += it.bs, ++b) {
+    const int64_t base = static_cast<int64_t>(it.table[b]) * it.bs * it.D, n = std::min(it.bs, it.len - start);
+    const bool more = start + it.bs < it.len;
+    const float* next = head + (more ? static_cast<int64_t>(it.table[b + 1]) * it.bs * it.D : 0);
+    for (int64_t j = 0; j < n; ++j) {
+      if (more)
+        for (int l = 0; l < NV; ++l) _mm_prefetch(reinterpret_cast<const char*>(next + j * it.D + 16 * l), _MM_HINT_T0);
+      fn(base + j * it.D, start + j);
+    }
+  }
+}
+
+// The same item with AVX-512 registers: G query heads and head_dim = 16 * NV known at compile time.
+template <int G, int NV>
 void item_avx512(const Item& it) {
-  const int64_t D = it.D, len = it.len;
-  for_each_row(it, [&](int64_t row, int64_t t) {
+  constexpr int D = 16 * NV;
+  const int64_t len = it.len;
+  __m512 q[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int l = 0; l < NV; ++l) q[g][l] = _mm512_loadu_ps(it.q + g * D + 16 * l);
+  for_each_row_prefetching<NV>(it, it.k_head, [&](int64_t row, int64_t t) {
     const float* k = it.k_head + row;
     __m512 acc[G];
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < D; i += 16) {  // lane j sums terms j, j+16, ...: as `dot` does
-      const __m512 kv = _mm512_loadu_ps(k + i);
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(it.q + g * D + i), kv, acc[g]);
+    for (int l = 0; l < NV; ++l) {  // lane j sums terms j, j+16, ...: as `dot` does
+      const __m512 kv = _mm512_loadu_ps(k + 16 * l);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(q[g][l], kv, acc[g]);
     }
     for (int g = 0; g < G; ++g) it.scores[g * len + t] = _mm512_reduce_add_ps(acc[g]) * it.scale;
   });
   softmax_rows(it.scores, G, len);
-  for (int64_t i = 0; i < D; i += 16) {  // one 16-wide slice of the G outputs, in registers over all V rows
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    for_each_row(it, [&](int64_t row, int64_t t) {
-      const __m512 vv = _mm512_loadu_ps(it.v_head + row + i);
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(it.scores[g * len + t]), vv, acc[g]);
-    });
-    for (int g = 0; g < G; ++g) _mm512_storeu_ps(it.o + g * D + i, acc[g]);
+  __m512 acc[G][NV];  // the G output rows, in registers over every V row
+  for (int g = 0; g < G; ++g)
+    for (int l = 0; l < NV; ++l) acc[g][l] = _mm512_setzero_ps();
+  for_each_row_prefetching<NV>(it, it.v_head, [&](int64_t row, int64_t t) {
+    __m512 vv[NV];
+    for (int l = 0; l < NV; ++l) vv[l] = _mm512_loadu_ps(it.v_head + row + 16 * l);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(it.scores[g * len + t]);
+      for (int l = 0; l < NV; ++l) acc[g][l] = _mm512_fmadd_ps(p, vv[l], acc[g][l]);
+    }
+  });
+  for (int g = 0; g < G; ++g)
+    for (int l = 0; l < NV; ++l) _mm512_storeu_ps(it.o + g * D + 16 * l, acc[g][l]);
+}
+
+template <int NV>
+bool run_avx512(const Item& it, int64_t G) {
+  switch (G) {
+    case 1: item_avx512<1, NV>(it); return true;
+    case 2: item_avx512<2, NV>(it); return true;
+    case 3: item_avx512<3, NV>(it); return true;
+    case 4: item_avx512<4, NV>(it); return true;
+    case 5: item_avx512<5, NV>(it); return true;
+    case 6: item_avx512<6, NV>(it); return true;
+    case 7: item_avx512<7, NV>(it); return true;
+    case 8: item_avx512<8, NV>(it); return true;
+    default: return false;
   }
 }
 #endif
@@ -135,19 +177,7 @@ void item_avx512(const Item& it) {
 // One (sequence, KV head) item, on the fastest path this build and these shapes allow.
 void run_item(const Item& it, int64_t G) {
 #if defined(__AVX512F__)
-  if (it.D % 16 == 0) {
-    switch (G) {
-      case 1: return item_avx512<1>(it);
-      case 2: return item_avx512<2>(it);
-      case 3: return item_avx512<3>(it);
-      case 4: return item_avx512<4>(it);
-      case 5: return item_avx512<5>(it);
-      case 6: return item_avx512<6>(it);
-      case 7: return item_avx512<7>(it);
-      case 8: return item_avx512<8>(it);
-      default: break;
-    }
-  }
+  if ((it.D == 64 && run_avx512<4>(it, G)) || (it.D == 128 && run_avx512<8>(it, G))) return;
 #endif
   item_generic(it, G);
 }

@@ -24,10 +24,10 @@ def head_major(cache: torch.Tensor) -> torch.Tensor:
 
 
 # Block sizes 1 (every token its own block), 7 (blocks that do not divide the lengths), 16 and 32;
-# MHA, GQA and MQA, with 1, 3, 4, 8 and 12 query heads per KV head (an AVX-512 build has a path for 1-8,
-# its generic loop takes more); head dims that are a multiple of the kernel's 16 lanes and ones that are not.
+# MHA, GQA and MQA, with 1, 3, 4, 8 and 12 query heads per KV head (an AVX-512 build has a path for 1-8 at
+# head dims 64 and 128, its generic loop takes the rest); head dims a multiple of 16 lanes and ones that are not.
 SHAPES = [(bs, heads, kv_heads, d) for bs, (heads, kv_heads), d in
-          itertools.product([1, 7, 16, 32], [(4, 4), (9, 3), (8, 2), (8, 1), (12, 1)], [64, 24, 80, 13])]
+          itertools.product([1, 7, 16, 32], [(4, 4), (9, 3), (8, 2), (8, 1), (12, 1)], [64, 128, 24, 80, 13])]
 
 
 @pytest.mark.parametrize("block_size,num_heads,num_kv_heads,head_dim", SHAPES)
