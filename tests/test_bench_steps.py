@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from minikv.bench import vllm_peer
-from minikv.bench.steps import cli, measure
+from minikv.bench.steps import cli, measure, summarize
 
 SPEC = {"seed": 0, "low": 3, "high": 50, "prefill": 12, "context": 7, "batches": [1, 3], "steps": 5, "repeat": 3}
 
@@ -25,7 +25,8 @@ def fake_engine(calls: list):
 
 def test_measure_recovers_a_step_and_a_prefill():
     calls = []
-    out = measure({"fake": fake_engine(calls)}, SPEC, pause=0)["fake"]
+    samples = measure({"fake": fake_engine(calls)}, SPEC, pause=0)
+    out = {shape: figures[0] for shape, figures in summarize(samples)["fake"].items()}
     assert out["prefill"] == pytest.approx(0.1 + 0.002 * 12)
     assert out["decode_b1"] == pytest.approx(0.01)
     assert out["decode_b3"] == pytest.approx(0.03)
@@ -37,10 +38,18 @@ def test_measure_recovers_a_step_and_a_prefill():
     assert len(set(prompts)) == len(prompts), "every call gets fresh prompts"
 
 
+def test_a_ratio_is_taken_call_by_call():
+    """A machine twice as slow for the second repetition: the medians move, the paired ratio does not."""
+    samples = {"mine": {"prefill": [1.2, 2.4, 1.25]}, "peer": {"prefill": [1.0, 2.0, 1.0]}}
+    median, ratio = summarize(samples, "peer")["mine"]["prefill"]
+    assert median == 1.25 and ratio == pytest.approx(1.2)
+
+
 def test_engines_take_turns_on_the_same_prompts():
     a, b = [], []
     out = measure({"a": fake_engine(a), "b": fake_engine(b)}, SPEC, pause=0)
     assert out["a"] == out["b"] and [p for p, _ in a] == [p for p, _ in b]
+    assert all(ratio == pytest.approx(1) for _, ratio in summarize(out, "b")["a"].values())
     # one log of both engines' calls, in the order they were made: the first engine of each call rotates
     order = []
     measure({"a": lambda p, k: order.append("a") or 0.0, "b": lambda p, k: order.append("b") or 0.0}, SPEC, pause=0)
@@ -84,6 +93,7 @@ def test_the_command_on_depth30():
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert set(report["seconds"]["minikv"]) == {"prefill", "decode_b1", "decode_b2"}
+    assert report["samples"]["minikv"]["prefill"] == [report["seconds"]["minikv"]["prefill"]]   # --repeat 1
     assert all(0 < s < 10 for s in report["seconds"]["minikv"].values()), report
 
 

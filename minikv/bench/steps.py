@@ -41,10 +41,10 @@ DEPTH30 = dict(num_hidden_layers=30, hidden_size=192, intermediate_size=256, num
 
 def measure(runs: dict, spec: dict, pause: float = PAUSE) -> dict:
     """Seconds of a prefill and of a decode step at each batch, for each engine in `runs` (a name to its
-    ``run(prompts, max_tokens) -> seconds``). Every call is made by each engine in turn on the same fresh
-    prompts, the order rotating, after `pause` seconds in which the engine that ran last goes idle."""
+    ``run(prompts, max_tokens) -> seconds``), one figure per repetition: {name: {shape: [seconds, ...]}}.
+    Every call is made by each engine in turn on the same fresh prompts, the order rotating, after `pause`
+    seconds in which the engine that ran last goes idle; repetition i of every engine ran within seconds."""
     import random
-    import statistics
 
     rng = random.Random(spec["seed"])
     names = list(runs)
@@ -64,13 +64,23 @@ def measure(runs: dict, spec: dict, pause: float = PAUSE) -> dict:
 
     each(prompts(2, 16), 4)  # warm-up: first-call costs (allocations, lazy builds) are not a step's
     calls = [each(prompts(1, spec["prefill"]), 1) for _ in range(spec["repeat"])]
-    out = {name: {"prefill": statistics.median(c[name] for c in calls)} for name in names}
+    out = {name: {"prefill": [c[name] for c in calls]} for name in names}
     for batch in spec["batches"]:
         pairs = [(each(prompts(batch, spec["context"]), 1), each(prompts(batch, spec["context"]), 1 + spec["steps"]))
                  for _ in range(spec["repeat"])]
         for name in names:
-            out[name][f"decode_b{batch}"] = statistics.median(b[name] - a[name] for a, b in pairs) / spec["steps"]
+            out[name][f"decode_b{batch}"] = [(b[name] - a[name]) / spec["steps"] for a, b in pairs]
     return out
+
+
+def summarize(samples: dict, peer: str | None = None) -> dict:
+    """Each engine's median per shape and, against `peer`, the median of the ratios repetition by repetition
+    (a pair ran seconds apart, so a slow minute of the machine divides out): {name: {shape: (median, ratio)}}."""
+    import statistics
+
+    return {name: {shape: (statistics.median(values), statistics.median(
+        mine / theirs for mine, theirs in zip(values, samples[peer][shape])) if peer in samples else None)
+        for shape, values in shapes.items()} for name, shapes in samples.items()}
 
 
 def minikv_run(model, tokenizer, compile: bool = False):
@@ -154,23 +164,29 @@ def cli(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         if args.vllm:
             runs["vllm"] = stack.enter_context(vllm_worker(model, tokenizer, spec, Path(args.vllm_venv)))
-        results = measure(runs, spec)
-    report = {"model": args.model, "spec": spec, "seconds": results}
+        samples = measure(runs, spec)
+    results = summarize(samples, "vllm" if args.vllm else None)
+    report = {"model": args.model, "spec": spec,
+              "seconds": {name: {shape: figures[0] for shape, figures in r.items()} for name, r in results.items()},
+              "ratio_to_vllm": {name: {shape: figures[1] for shape, figures in r.items()}
+                                for name, r in results.items() if args.vllm},
+              "samples": samples}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     labels = {"prefill": f"prefill, {args.prefill} tokens"}
     labels.update({f"decode_b{b}": f"decode step, batch {b} (context {args.context})" for b in batches})
-    print(f"{args.model}, fp32, {args.repeat} calls per figure (median)")
+    print(f"{args.model}, fp32, {args.repeat} calls per figure: medians; a ratio is the median of the"
+          " ratios of calls made seconds apart")
     ours = [name for name in ("minikv", "minikv+compile") if name in results]
     header = f"{'shape':<40}" + "".join(f"{name + ' ms':>20}" for name in ours)
     if args.vllm:
         header += f"{'vLLM ms':>12}" + "".join(f"{name + '/vLLM':>20}" for name in ours)
     print(header)
     for key, label in labels.items():
-        line = f"{label:<40}" + "".join(f"{results[name][key] * 1e3:>20.1f}" for name in ours)
+        line = f"{label:<40}" + "".join(f"{results[name][key][0] * 1e3:>20.1f}" for name in ours)
         if args.vllm:
-            theirs = results["vllm"][key]
-            line += f"{theirs * 1e3:>12.1f}" + "".join(f"{results[name][key] / theirs:>20.2f}" for name in ours)
+            line += f"{results['vllm'][key][0] * 1e3:>12.1f}" + "".join(f"{results[name][key][1]:>20.2f}"
+                                                                      for name in ours)
         print(line)
     return 0
