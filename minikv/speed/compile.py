@@ -14,7 +14,8 @@ output's shape, as vLLM's piecewise compilation keeps its attention out of the g
   structure reuses the graph instead of recompiling it;
 * every matmul, ``minikv_speed::packed_linear`` (``minikv.speed.linears``), which runs oneDNN on the
   weights the runner packed at start; sibling linears on one input (q/k/v, gate/up) are one
-  ``minikv_speed::merged_linear`` on their merged packed copy, as in the eager path. Inductor cannot lower a packed weight itself, and its own
+  ``minikv_speed::merged_linear`` on their merged packed copy, as in the eager path.
+  Inductor cannot lower a packed weight itself, and its own
   prepacking (``freezing``) needs a static row count, so without that operator ``dynamic=True`` sent
   every matmul to sgemm on the raw weights, slower than the eager packed path. ``freezing`` is used
   only when the runner has no packed weights (``prepack_linears=False``).
