@@ -56,16 +56,34 @@ def _packed(module: torch.nn.Linear) -> torch.Tensor:
         entry = _PACKED.get(module)
         if entry is None or entry[0] != stamp:
             entry = _PACKED[module] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
-            _BY_WEIGHT[weight.data_ptr()] = (weight._version, tuple(weight.shape), weakref.ref(entry[1]))
+            _remember([weight], entry[1])
     return entry[1]
 
 
-# The packed copy of a weight by its data pointer, for the compiled graph's operator, which sees only the
-# dense weight. Weak references: the packed copy lives as long as its module's entry in _PACKED, never
-# longer (a notebook that builds and drops many engines must not keep their copies).
-_BY_WEIGHT: dict[int, tuple[int, tuple[int, ...], weakref.ref]] = {}
-# The same for merged siblings' packed copy, by their weights' data pointers: (versions, shapes, copy).
+# The packed copy of a weight (or of merged siblings' weights) by their data pointers, for the compiled graph's
+# operators, which see only the dense weights: (versions, shapes, copy). Weak references: the packed copy lives
+# as long as its module's entry in _PACKED or _PACKED_MERGED, never longer (a notebook that builds and drops
+# many engines must not keep their copies).
 _BY_WEIGHTS: dict[tuple[int, ...], tuple[tuple[int, ...], tuple, weakref.ref]] = {}
+
+
+def _stamp(weights: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple]:
+    return tuple(w._version for w in weights), tuple(tuple(w.shape) for w in weights)
+
+
+def _remember(weights: list[torch.Tensor], packed: torch.Tensor) -> None:
+    _BY_WEIGHTS[tuple(w.data_ptr() for w in weights)] = (*_stamp(weights), weakref.ref(packed))
+
+
+def _packed_copy(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The live packed copy of these weights, joined, if it is current; else packed now (correct, if slow;
+    never a stale copy)."""
+    entry = _BY_WEIGHTS.get(tuple(w.data_ptr() for w in weights))
+    packed = entry[2]() if entry is not None and entry[:2] == _stamp(weights) else None
+    if packed is None:
+        joined = weights[0] if len(weights) == 1 else torch.cat(weights)
+        packed = torch.ops.mkldnn._reorder_linear_weight(joined.detach(), None)
+    return packed
 
 
 class _Merged:
@@ -93,9 +111,7 @@ class _Merged:
                 entry = (stamp, (torch.ops.mkldnn._reorder_linear_weight(weight, None), bias))
             if not modules[0].weight.is_inference():
                 _PACKED_MERGED[modules[0]] = entry
-                _BY_WEIGHTS[tuple(m.weight.data_ptr() for m in modules)] = (
-                    tuple(m.weight._version for m in modules), tuple(tuple(m.weight.shape) for m in modules),
-                    weakref.ref(entry[1][0]))
+                _remember([m.weight for m in modules], entry[1][0])
         return entry[1]
 
     @staticmethod
@@ -136,11 +152,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     run time, since a compiled graph's row count is symbolic)."""
     if few_rows(x) and weight.numel() < LM_HEAD_SIZE:
         return torch.nn.functional.linear(x, weight, bias)
-    entry = _BY_WEIGHT.get(weight.data_ptr())
-    packed = entry[2]() if entry is not None and entry[:2] == (weight._version, tuple(weight.shape)) else None
-    if packed is None:  # no live, current copy: pack now (correct, if slow; never a stale copy)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, _packed_copy([weight]), bias, "none", [], "")
 
 
 @packed_linear.register_fake
@@ -156,14 +168,8 @@ def merged_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[tor
     if few_rows(x):
         return torch.cat([torch.nn.functional.linear(x, w, b)
                           for w, b in zip(weights, biases or [None] * len(weights))], dim=-1)
-    entry = _BY_WEIGHTS.get(tuple(w.data_ptr() for w in weights))
-    current = entry is not None and entry[:2] == (tuple(w._version for w in weights),
-                                                  tuple(tuple(w.shape) for w in weights))
-    packed = entry[2]() if current else None
-    if packed is None:  # no live, current copy: pack now (correct, if slow; never a stale copy)
-        packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]), None)
     bias = torch.cat(biases) if biases else None
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(x, _packed_copy(weights), bias, "none", [], "")
 
 
 @merged_linear.register_fake
