@@ -50,6 +50,7 @@ from minikv.dispatch import GATHER, AttnGroup, SeqStep, StepPlan, choose_backend
 from minikv.metrics import SPAN_ATTENTION, SPAN_EXECUTE, SPAN_PLAN, spanned
 from minikv.sizing import cache_shape, kv_bytes_per_block
 from minikv.speed.linears import PackedLinears
+from minikv.speed.malloc import keep_freed_memory
 from minikv.validation import check_block_size, check_num_blocks
 
 __all__ = ["ATTN_NAME", "ModelRunner", "Runner", "SeqStep", "StepPlan", "paged_attention_forward"]
@@ -332,6 +333,8 @@ class ModelRunner:
         self.num_blocks, self.block_size = pool_blocks, block_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if self.device.type == "cpu":   # a CPU step's buffers are malloc's: keep them mapped (minikv.speed.malloc)
+            keep_freed_memory()
         # Stage 1's ModelShape, through the caches' check: a sliding-window model is refused, since
         # attending over every cached token would silently compute something else.
         kv_shape = cache_shape(config)

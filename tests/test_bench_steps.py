@@ -1,4 +1,5 @@
-"""`bench steps`: the one timing procedure, its arithmetic on a fake engine, and the command on depth30."""
+"""`bench steps`: the one timing procedure, its arithmetic on a fake engine, and the command on depth30; the vLLM
+worker's protocol, and `bench engine --vllm` alternating its runs with a stand-in for it."""
 
 import json
 import subprocess
@@ -64,9 +65,13 @@ print("some log line", flush=True)
 print("MINIKV-READY", flush=True)
 for line in sys.stdin:
     request = json.loads(line)
-    if request["max_tokens"] == 0:
+    counts = request["max_tokens"]
+    counts = counts if isinstance(counts, list) else [counts] * len(request["prompts"])
+    if 0 in counts:
         sys.exit("asked for no tokens")
-    print("MINIKV-RESULT " + json.dumps({"seconds": 0.01 * len(request["prompts"]) * spec["scale"]}), flush=True)
+    tokens = [[7] * k for k in counts] if request["tokens"] else None
+    print("MINIKV-RESULT " + json.dumps({"seconds": 0.01 * len(request["prompts"]) * spec["scale"],
+                                         "tokens": tokens}), flush=True)
 """
 
 
@@ -74,6 +79,8 @@ def test_the_worker_protocol_and_a_worker_that_dies():
     with vllm_peer.Worker({"scale": 2}, script=FAKE_WORKER, exe=sys.executable, timeout=60) as worker:
         assert worker.run([[1, 2], [3]], 4) == pytest.approx(0.04)
         assert worker.run([[1]], 4) == pytest.approx(0.02)
+        assert worker.generate([[1], [2, 3]], [2, 3]) == (pytest.approx(0.04), [[7, 7], [7, 7, 7]])
+        assert worker.startup_s > 0
         with pytest.raises(RuntimeError, match="asked for no tokens"):
             worker.run([[1]], 0)
 
@@ -107,3 +114,31 @@ def test_bad_options_say_what_is_wrong(bad, capsys):
     with pytest.raises(SystemExit) as stop:
         cli(bad)
     assert stop.value.code == 2 and bad[0] in capsys.readouterr().err
+
+
+def test_bench_engine_alternates_its_runs_with_vllms(monkeypatch, capsys):
+    """`bench engine --vllm` (a stand-in worker): minikv's runs and vLLM's take turns, the ratio is the median
+    of the ratios of runs made side by side, and vLLM's tokens are compared with transformers'."""
+    from minikv.__main__ import main
+    from minikv.bench import engine
+
+    order = []
+    real_interleaved = engine.interleaved
+
+    def logged(runs, repeat, pause=0):
+        return real_interleaved({name: lambda name=name, run=run: order.append(name) or run()
+                                 for name, run in runs.items()}, repeat, pause=0)
+
+    monkeypatch.setattr(engine, "interleaved", logged)
+    monkeypatch.setattr(engine, "vllm_worker", lambda model, requests: vllm_peer.Worker(
+        {"scale": 1}, script=FAKE_WORKER, exe=sys.executable, timeout=120))
+    assert main(["bench", "engine", "--model", "tiny-random-llama", "--quick", "--n", "3", "--systems",
+                 "static,minikv", "--repeat", "3", "--vllm", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert order == ["minikv", "vllm", "vllm", "minikv", "minikv", "vllm"]
+    mine, theirs = report["systems"]["minikv"]["runs"], report["systems"]["vllm"]["runs"]
+    assert theirs == [pytest.approx(0.03)] * 3
+    assert report["minikv_vs_vllm_runs"] == [pytest.approx(t / m) for m, t in zip(mine, theirs)]
+    assert report["minikv_vs_vllm"] == pytest.approx(sorted(report["minikv_vs_vllm_runs"])[1])
+    assert report["identical_to_transformers"] == 3 and report["vllm_identical_to_transformers"] == 0
+    assert report["startup_seconds"]["vllm"] > 0

@@ -15,7 +15,10 @@ Three systems, each timed from the first request handed over to the last token b
   ``max_new_tokens``.
 * ``minikv``: ``LLM.generate`` with one greedy ``SamplingParams(max_tokens=..., ignore_eos=True)`` each.
 
-Each system first serves two short warm-up requests (untimed). ``static`` is the token-for-token
+With ``--vllm``, vLLM's CPU build (a ``vllm_peer.Worker``) serves the same requests, and its runs and
+minikv's take turns (``interleaved``): the ratio is the median of the ratios of runs made seconds apart,
+so a slow spell of a shared machine falls on both. Each system first serves two short warm-up requests
+(untimed). ``static`` is the token-for-token
 reference: it is transformers' plain generate, one forward per step with a dense KV cache.
 On CUDA the bench also times one decode step of minikv's runner at batch 1, 8 and 64.
 """
@@ -27,10 +30,13 @@ import contextlib
 import copy
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass
 
 import torch
+
+from minikv.bench.vllm_peer import PAUSE
 
 BATCH_STATIC = 16
 # The engine's speed levers (on by default), each with the engine arguments that switch it off.
@@ -230,27 +236,41 @@ def profile_minikv(model, tokenizer, requests: list[Request], **engine_args) -> 
     return {"steps": steps, "seconds": total, "ms_per_step": {k: 1e3 * v / steps for k, v in rows.items()}}
 
 
-def _add_vllm(model_name: str, requests, useful: int, results: dict, outputs: dict, startup: dict,
-              quiet: bool, repeat: int = 1) -> None:
-    """vLLM's CPU build on the same requests, if .venv-vllm has it; otherwise say how to get it."""
-    from minikv.bench.vllm_peer import HOW_TO_GET_IT, python, run_vllm
+def interleaved(runs: dict, repeat: int, pause: float = PAUSE) -> dict:
+    """Call every run() `repeat` times, each repetition the engines in turn, the order rotating (as `bench
+    steps` does), after `pause` seconds in which the engine that ran last goes idle: {name: [run() result of
+    each repetition]}. Repetition i of every engine ran within seconds of the others, so a slow minute of a
+    shared machine falls on all of them and divides out of a ratio taken repetition by repetition."""
+    names, got = list(runs), {name: [] for name in runs}
+    for i in range(repeat):
+        turn = i % len(names)
+        for name in names[turn:] + names[:turn]:
+            if len(names) > 1:
+                time.sleep(pause)
+            got[name].append(runs[name]())
+    return got
+
+
+def paired_ratio(mine: list[float], theirs: list[float]) -> tuple[float, list[float]]:
+    """mine's throughput over theirs, from seconds timed in pairs: (the median of the per-repetition ratios,
+    each ratio), so that each ratio compares two runs made seconds apart."""
+    ratios = [t / m for m, t in zip(mine, theirs)]
+    return statistics.median(ratios), ratios
+
+
+def vllm_worker(model_name: str, requests):
+    """vLLM's CPU build kept running on the converted SmolLM2 folder (a vllm_peer.Worker), or a sentence
+    saying why not. Its prefix cache is off: the timed runs repeat the same prompts, and minikv builds a
+    fresh engine (an empty cache) for each run."""
+    from minikv.bench.vllm_peer import HOW_TO_GET_IT, Worker, python
     from minikv.models import smollm2_dir
 
     if python() is None:
-        print(f"  vllm: skipped. {HOW_TO_GET_IT}")
-        return
+        return HOW_TO_GET_IT
     if model_name != "smollm2-135m":
-        print("  vllm: skipped (it runs only on the converted SmolLM2 folder here)")
-        return
-    got = run_vllm(smollm2_dir(), requests, repeat=repeat)
-    outputs["vllm"] = got["tokens"]
-    startup["vllm"] = got["startup_s"]
-    runs = got.get("runs", [got["seconds"]])
-    results["vllm"] = {"seconds": got["seconds"], "tokens_per_s": useful / got["seconds"], "runs": runs}
-    if not quiet:
-        spread = f"  (runs {min(runs):.2f}-{max(runs):.2f} s, median of {len(runs)})" if len(runs) > 1 else ""
-        print(f"  {'vllm':<15} {got['seconds']:8.2f} s  {useful / got['seconds']:8.1f} useful tokens/s"
-              f"{spread}; start-up {got['startup_s']:.0f} s", flush=True)
+        return "it runs only on the converted SmolLM2 folder here"
+    longest = max(len(r.prompt) + r.max_tokens for r in requests)
+    return Worker({"model_dir": str(smollm2_dir()), "max_model_len": max(1024, longest)})
 
 
 def plot(results: dict, llm, path: str) -> None:
@@ -345,25 +365,50 @@ def cli(argv: list[str] | None = None) -> int:
                "continuous": lambda: run_continuous(model, warmup, pad)}
     minikv_args = {"minikv": {}, **({"minikv+compile": {"compile": True}} if args.compile else {}),
                    **({"minikv+graphs": {"decode_graphs": True}} if args.decode_graphs else {})}
+    last_llm = {}
+
+    def minikv_run(name: str, engine_args: dict, workload: list[Request]):
+        seconds, tokens, last_llm[name] = run_minikv(model, tokenizer, workload, **engine_args)
+        return seconds, tokens
+
     for name, engine_args in minikv_args.items():
-        runs[name] = lambda engine_args=engine_args: run_minikv(model, tokenizer, requests, **engine_args)
-        warmups[name] = lambda engine_args=engine_args: run_minikv(model, tokenizer, warmup, **engine_args)
-    for name in systems + list(minikv_args)[1:]:
-        run_minikv.startup_seconds = None
-        warmups[name]()
-        cold_start = run_minikv.startup_seconds  # the first construction: a compile, if any, happens here
-        seconds, timings, (outputs[name], *rest) = median_of_runs(runs[name], args.repeat)
-        if name in minikv_args:
-            llm = rest[0] if name == "minikv" else llm
-            startup[name] = cold_start
+        runs[name] = lambda name=name, engine_args=engine_args: minikv_run(name, engine_args, requests)
+        warmups[name] = lambda name=name, engine_args=engine_args: minikv_run(name, engine_args, warmup)
+
+    def show(name: str, timings: list[float], extra: str = "") -> None:
+        seconds = sorted(timings)[(len(timings) - 1) // 2]
         results[name] = {"seconds": seconds, "tokens_per_s": useful / seconds, "runs": timings}
         if not args.json:
             spread = (f"  (runs {min(timings):.2f}-{max(timings):.2f} s, median of {len(timings)})"
                       if len(timings) > 1 else "")
-            print(f"  {name:<15} {seconds:8.2f} s  {useful / seconds:8.1f} useful tokens/s{spread}", flush=True)
+            print(f"  {name:<15} {seconds:8.2f} s  {useful / seconds:8.1f} useful tokens/s{spread}{extra}", flush=True)
 
-    if args.vllm:
-        _add_vllm(args.model, requests, useful, results, outputs, startup, quiet=args.json, repeat=args.repeat)
+    # transformers' systems one after the other; minikv's and vLLM alternating, run by run (see interleaved)
+    for name in [s for s in systems if s not in minikv_args]:
+        warmups[name]()
+        seconds, timings, (outputs[name], *rest) = median_of_runs(runs[name], args.repeat)
+        show(name, timings)
+    paired = [s for s in systems if s in minikv_args] + list(minikv_args)[1:]
+    for name in paired:
+        run_minikv.startup_seconds = None
+        warmups[name]()
+        startup[name] = run_minikv.startup_seconds  # the first construction: a compile, if any, happens here
+    with contextlib.ExitStack() as stack:
+        worker = vllm_worker(args.model, requests) if args.vllm else None
+        if isinstance(worker, str):
+            print(f"  vllm: skipped ({worker})")
+        elif worker is not None:
+            stack.enter_context(worker)
+            startup["vllm"] = worker.startup_s
+            worker.generate([r.prompt for r in warmup], [r.max_tokens for r in warmup])
+            runs["vllm"] = lambda: worker.generate([r.prompt for r in requests], [r.max_tokens for r in requests])
+            paired.append("vllm")
+        got = interleaved({name: runs[name] for name in paired}, args.repeat)
+    for name, calls in got.items():
+        outputs[name] = calls[-1][1]
+        show(name, [seconds for seconds, _ in calls],
+             f"; start-up {startup['vllm']:.0f} s" if name == "vllm" else "")
+    llm = last_llm.get("minikv")
 
     reference = "static" if "static" in outputs else ("continuous" if "continuous" in outputs else None)
     report = {"model": args.model, "device": str(model.device), "requests": n, "seed": args.seed,
@@ -384,8 +429,9 @@ def cli(argv: list[str] | None = None) -> int:
                 a == b for a, b in zip(outputs[variant], outputs[reference]))
     if "vllm" in results:
         for mine in minikv_args:
-            if mine in results:
-                report[f"{mine}_vs_vllm"] = results[mine]["tokens_per_s"] / results["vllm"]["tokens_per_s"]
+            if mine in results:  # run by run: each ratio compares two runs made seconds apart
+                ratio, each = paired_ratio(results[mine]["runs"], results["vllm"]["runs"])
+                report[f"{mine}_vs_vllm"], report[f"{mine}_vs_vllm_runs"] = ratio, each
         if reference:
             report["vllm_identical_to_transformers"] = sum(a == b for a, b in zip(outputs["vllm"], outputs[reference]))
     report["startup_seconds"] = startup
@@ -427,7 +473,10 @@ def cli(argv: list[str] | None = None) -> int:
         for mine in minikv_args:
             for other in ("static", "continuous", "vllm"):
                 if report.get(f"{mine}_vs_{other}"):
-                    print(f"{mine} / {other}: {report[f'{mine}_vs_{other}']:.2f}x")
+                    each = report.get(f"{mine}_vs_{other}_runs", [])
+                    print(f"{mine} / {other}: {report[f'{mine}_vs_{other}']:.2f}x" + (
+                        f" (the median of {len(each)} runs side by side: {', '.join(f'{r:.2f}' for r in each)})"
+                        if len(each) > 1 else ""))
         if "vllm_identical_to_transformers" in report:
             print(f"vLLM outputs identical to transformers ({reference}): "
                   f"{report['vllm_identical_to_transformers']} of {n}")

@@ -31,8 +31,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from minikv.bench import vllm_peer
-
-PAUSE = 0.3  # seconds before each timed call, so the engine that ran last is idle (Intel OpenMP spins 0.2 s)
+from minikv.bench.vllm_peer import PAUSE
 
 DEPTH30 = dict(num_hidden_layers=30, hidden_size=192, intermediate_size=256, num_attention_heads=3,
                num_key_value_heads=1, head_dim=64, vocab_size=1024, max_position_embeddings=2048,

@@ -6,7 +6,9 @@ so a benchmark can show what it is worth (``python -m minikv bench engine --repe
 * ``graphs``: decode steps replayed from CUDA graphs, over persistent buffers padded to captured batch
   sizes (``decode_graphs``; on the CPU the same plan runs eagerly).
 
-The runner builds them; they read its step layout from ``minikv.dispatch`` and never import the runner.
+On the CPU the runner also keeps what a step frees mapped for the next (``malloc``: glibc's thresholds,
+process-wide, not a switch; ``MINIKV_MALLOC=default`` is its control). The runner builds them; they read
+its step layout from ``minikv.dispatch`` and never import the runner.
 The C++ decode attention kernel (``cpu_kernel``) is an attention backend, chosen in ``minikv.dispatch``
 beside the Triton one; both live in ``kernels/``.
 """
