@@ -57,9 +57,10 @@ def _run(budget: int) -> dict:
     # glibc raises its mmap threshold after a large block is freed, so later large tensors may land in
     # the heap and stay resident after free: the peak then wobbles by 100 MiB from run to run. A fixed
     # threshold keeps every tensor over 64 KiB in its own mapping, returned to the system on free, so
-    # the resident set follows the live tensors.
+    # the resident set follows the live tensors. (The runner would otherwise fix glibc's thresholds the
+    # other way, keeping freed memory mapped for speed: minikv.speed.malloc; MINIKV_MALLOC=default leaves them.)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
-               MALLOC_MMAP_THRESHOLD_="65536")
+               MALLOC_MMAP_THRESHOLD_="65536", MINIKV_MALLOC="default")
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(budget)], capture_output=True, text=True,
                           timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
