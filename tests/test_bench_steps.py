@@ -61,6 +61,10 @@ def test_engines_take_turns_on_the_same_prompts():
 FAKE_WORKER = r"""
 import json, sys, time
 spec = json.load(open(sys.argv[1]))
+if "child_pid_file" in spec:   # as vLLM's engine core: a child process that outlives the worker's os._exit
+    import subprocess
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(spec["child_pid_file"], "w").write(str(child.pid))
 print("some log line", flush=True)
 print("MINIKV-READY", flush=True)
 for line in sys.stdin:
@@ -72,6 +76,8 @@ for line in sys.stdin:
     tokens = [[7] * k for k in counts] if request["tokens"] else None
     print("MINIKV-RESULT " + json.dumps({"seconds": 0.01 * len(request["prompts"]) * spec["scale"],
                                          "tokens": tokens}), flush=True)
+import os
+os._exit(0)
 """
 
 
@@ -83,6 +89,29 @@ def test_the_worker_protocol_and_a_worker_that_dies():
         assert worker.startup_s > 0
         with pytest.raises(RuntimeError, match="asked for no tokens"):
             worker.run([[1]], 0)
+
+
+def test_closing_the_worker_ends_what_it_left_running(tmp_path):
+    """vLLM's engine core runs in child processes that the worker's os._exit leaves behind: close() ends them."""
+    import os
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    with vllm_peer.Worker({"scale": 1, "child_pid_file": str(pid_file)}, script=FAKE_WORKER, exe=sys.executable,
+                          timeout=60) as worker:
+        worker.run([[1]], 1)
+        child = int(pid_file.read_text())
+        os.kill(child, 0)   # alive while the worker is
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        state = open(f"/proc/{child}/stat").read().split()[2] if os.path.exists(f"/proc/{child}/stat") else "?"
+        if state == "Z":   # killed, not yet reaped by its init
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the worker's child {child} is still running")
 
 
 def test_the_vllm_worker_script_parses():

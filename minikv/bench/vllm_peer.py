@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import threading
@@ -86,8 +87,11 @@ class Worker:
         spec_path = Path(self.folder.name) / "spec.json"
         spec_path.write_text(json.dumps(spec))
         self.log = open(Path(self.folder.name) / "stderr.log", "w+")
+        # Its own process group: vLLM runs its engine core in child processes (holding gigabytes), which the
+        # worker's os._exit does not stop, so close() ends the whole group.
         self.process = subprocess.Popen([str(exe), "-c", script, str(spec_path)], env=_environment(venv, cores),
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                        start_new_session=True)
         # A worker that hangs is killed after `timeout` seconds in all; its next read then fails with its stderr.
         self.watchdog = threading.Timer(timeout, self.process.kill)
         self.watchdog.daemon = True
@@ -119,6 +123,7 @@ class Worker:
         return answer["seconds"], answer.get("tokens")
 
     def close(self) -> None:
+        """Close its stdin (it answers what it was asked, then exits), and end what it left running."""
         self.watchdog.cancel()
         if self.process.poll() is None:
             self.process.stdin.close()
@@ -127,6 +132,10 @@ class Worker:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        try:   # vLLM's engine core, orphaned by the worker's exit: left alone, each holds ~4 GB and a core's share
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:   # nothing was left
+            pass
         self.log.close()
         self.folder.cleanup()
 
