@@ -2,6 +2,7 @@
 worker's protocol, and `bench engine --vllm` alternating its runs with a stand-in for it."""
 
 import json
+import multiprocessing
 import subprocess
 import sys
 
@@ -125,10 +126,14 @@ def bench(*args, timeout=300):
 
 def test_the_command_on_depth30():
     done = bench("--model", "depth30", "--batches", "1,2", "--steps", "3", "--repeat", "1", "--prefill", "16",
-                 "--context", "16", "--json")
+                 "--context", "16", "--beside", "0.3", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert set(report["seconds"]["minikv"]) == {"prefill", "decode_b1", "decode_b2"}
+    ratios = report["beside"]["ratio_to_alone"]   # the same engine beside a busy thread, and a busy process
+    assert set(ratios) == {"beside a thread", "beside a process"} and report["beside"]["duty"] == 0.3
+    assert all(set(r) == {"prefill", "decode_b1", "decode_b2"} and all(v > 0 for v in r.values())
+               for r in ratios.values())
     assert report["samples"]["minikv"]["prefill"] == [report["seconds"]["minikv"]["prefill"]]   # --repeat 1
     assert all(0 < s < 10 for s in report["seconds"]["minikv"].values()), report
 
@@ -171,3 +176,29 @@ def test_bench_engine_alternates_its_runs_with_vllms(monkeypatch, capsys):
     assert report["minikv_vs_vllm"] == pytest.approx(sorted(report["minikv_vs_vllm_runs"])[1])
     assert report["identical_to_transformers"] == 3 and report["vllm_identical_to_transformers"] == 0
     assert report["startup_seconds"]["vllm"] > 0
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_a_busy_neighbour_runs_while_the_call_does_and_stops_after(kind):
+    import threading
+
+    from minikv.bench.contention import beside
+
+    seen = []
+
+    def run(prompts, max_tokens):
+        seen.append((threading.active_count(), len(multiprocessing.active_children())))
+        return 1.5
+
+    assert beside(run, kind, 0.5)([[1]], 1) == 1.5
+    threads, children = seen[0]
+    assert (threads > threading.active_count()) if kind == "thread" else children == 1
+    assert not multiprocessing.active_children()
+
+
+def test_a_neighbour_is_a_thread_or_a_process():
+    from minikv.bench.contention import neighbour
+
+    with pytest.raises(ValueError, match="'thread' or a 'process'"):
+        with neighbour("fiber", 0.5):
+            pass

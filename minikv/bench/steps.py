@@ -19,6 +19,9 @@ land on all of them alike.
 ``--model depth30`` is a random Llama with SmolLM2's depth, heads and head size (30 layers, 64-wide
 heads) but a width of 192: its matmuls cost next to nothing, so what is left of a step is each
 engine's cost per layer and per step (Python, operator dispatch, launching kernels).
+
+``--beside DUTY`` adds minikv beside a busy Python thread of its own process and beside a busy process
+(``minikv.bench.contention``): the served engine's forward shares the GIL with the event loop.
 """
 
 from __future__ import annotations
@@ -137,6 +140,9 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true",
                         help="also minikv with compile=True (its start-up is not timed)")
     parser.add_argument("--vllm", action="store_true", help="also vLLM's CPU build (.venv-vllm, `make vllm`)")
+    parser.add_argument("--beside", type=float, metavar="DUTY",
+                        help="also minikv beside a Python thread, and beside a process, each busy DUTY of the "
+                             "time (e.g. 0.3): what sharing the GIL costs a forward (minikv.bench.contention)")
     parser.add_argument("--vllm-venv", default=str(vllm_peer.VENV), help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = parser.parse_args(argv)
@@ -148,6 +154,8 @@ def cli(argv: list[str] | None = None) -> int:
                         ("--repeat", args.repeat), *(("--batches", b) for b in batches)):
         if value < 1:
             parser.error(f"{what} must be >= 1, got {value}")
+    if args.beside is not None and not 0 < args.beside < 1:
+        parser.error(f"--beside takes a share of the time between 0 and 1, got {args.beside}")
     if args.vllm and vllm_peer.python(Path(args.vllm_venv)) is None:
         print(vllm_peer.HOW_TO_GET_IT)
         return 2
@@ -160,6 +168,12 @@ def cli(argv: list[str] | None = None) -> int:
     runs = {"minikv": minikv_run(model, tokenizer)}
     if args.compile:
         runs["minikv+compile"] = minikv_run(model, tokenizer, compile=True)
+    neighbours = {}
+    if args.beside is not None:   # the same engine, with a busy neighbour in its process or beside it
+        from minikv.bench.contention import beside
+
+        neighbours = {f"beside a {kind}": kind for kind in ("thread", "process")}
+        runs.update({name: beside(runs["minikv"], kind, args.beside) for name, kind in neighbours.items()})
     with ExitStack() as stack:
         if args.vllm:
             runs["vllm"] = stack.enter_context(vllm_worker(model, tokenizer, spec, Path(args.vllm_venv)))
@@ -170,6 +184,10 @@ def cli(argv: list[str] | None = None) -> int:
               "ratio_to_vllm": {name: {shape: figures[1] for shape, figures in r.items()}
                                 for name, r in results.items() if args.vllm},
               "samples": samples}
+    alone = summarize(samples, "minikv")
+    if neighbours:
+        report["beside"] = {"duty": args.beside, "ratio_to_alone": {
+            name: {shape: figures[1] for shape, figures in alone[name].items()} for name in neighbours}}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -178,6 +196,8 @@ def cli(argv: list[str] | None = None) -> int:
     print(f"{args.model}, fp32, {args.repeat} calls per figure: medians; a ratio is the median of the"
           " ratios of calls made seconds apart")
     ours = [name for name in ("minikv", "minikv+compile") if name in results]
+    if neighbours:
+        ours += list(neighbours)
     header = f"{'shape':<40}" + "".join(f"{name + ' ms':>20}" for name in ours)
     if args.vllm:
         header += f"{'vLLM ms':>12}" + "".join(f"{name + '/vLLM':>20}" for name in ours)
@@ -188,4 +208,10 @@ def cli(argv: list[str] | None = None) -> int:
             line += f"{results['vllm'][key][0] * 1e3:>12.1f}" + "".join(f"{results[name][key][1]:>20.2f}"
                                                                       for name in ours)
         print(line)
+    if neighbours:
+        print(f"\nminikv beside a neighbour busy {args.beside:.0%} of the time, over minikv alone (the median of "
+              "paired ratios): a thread shares the GIL and the cores, a process only the cores")
+        print(f"{'shape':<40}" + "".join(f"{name + ' / alone':>26}" for name in neighbours))
+        for key, label in labels.items():
+            print(f"{label:<40}" + "".join(f"{alone[name][key][1]:>26.2f}" for name in neighbours))
     return 0

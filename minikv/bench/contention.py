@@ -1,0 +1,66 @@
+"""A busy neighbour for `bench steps --beside`: what a served engine's forward pays for sharing its process.
+
+`minikv serve` runs the engine in a thread beside uvicorn's event loop, in one process, as the
+notebooks' `LLM` does. Every Python-level op of the forward releases the GIL inside torch's kernel and
+takes it back after; while another thread of the process runs Python, taking it back waits. vLLM V1
+runs its engine core in a process of its own, so its event loop competes for a core but never for the
+GIL. To tell those two costs apart, `bench steps --beside 0.3` times minikv's steps three ways, the
+calls alternating: alone; beside a Python thread of the same process busy 30% of the time (it needs
+the GIL and a core); and beside a separate process busy the same share (it needs only a core).
+
+The neighbour's work is what an event loop does between waits: JSON in and out of small dicts, in
+bursts of ``duty`` x 10 ms, each followed by a sleep of the rest of the 10 ms.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import threading
+import time
+from contextlib import contextmanager
+
+PERIOD = 0.01   # seconds: one burst of work and one sleep
+
+
+def busy(stop, ready, duty: float) -> None:
+    """Work `duty` of every PERIOD, sleep the rest, until `stop` is set (a thread's or a process's body)."""
+    chunk = {"id": "cmpl-1", "choices": [{"index": 0, "delta": {"content": "token"}, "finish_reason": None}]}
+    ready.set()
+    while not stop.is_set():
+        start = time.perf_counter()
+        while time.perf_counter() - start < duty * PERIOD:
+            json.loads(json.dumps(chunk))
+        time.sleep((1 - duty) * PERIOD)
+
+
+@contextmanager
+def neighbour(kind: str, duty: float):
+    """A busy neighbour ("thread" in this process, or "process") for the duration of the block."""
+    if kind == "thread":
+        stop, ready = threading.Event(), threading.Event()
+        worker = threading.Thread(target=busy, args=(stop, ready, duty), daemon=True)
+    elif kind == "process":
+        context = multiprocessing.get_context("spawn")   # a fresh interpreter: no copy of torch's threads
+        stop, ready = context.Event(), context.Event()
+        worker = context.Process(target=busy, args=(stop, ready, duty), daemon=True)
+    else:
+        raise ValueError(f"a neighbour is a 'thread' or a 'process', not {kind!r}")
+    worker.start()
+    try:
+        if not ready.wait(60):
+            raise RuntimeError(f"the busy {kind} did not start within 60 s")
+        yield
+    finally:
+        stop.set()
+        worker.join(10)
+
+
+def beside(run, kind: str, duty: float):
+    """`run(prompts, max_tokens) -> seconds` timed with a busy neighbour of `kind` running."""
+
+    def run_beside(prompts: list[list[int]], max_tokens: int) -> float:
+        with neighbour(kind, duty):
+            return run(prompts, max_tokens)
+
+    return run_beside
