@@ -10,8 +10,9 @@ own ``generate`` (so a step's scheduling and sampling count, as they do when ser
   alternate and the median of their differences is kept, so a slow spell of the machine lands in
   both halves of a pair.
 
-Prompts are fresh random token ids every call (vLLM's prefix caching is off; minikv's finds nothing to
-share in them). Every engine of the run (minikv, with ``--compile`` minikv compiled too, with ``--vllm``
+Prompts are fresh random token ids every call, the same for every engine (vLLM's prefix caching is off;
+each minikv column is an engine of its own, whose cache finds nothing to share in them). Every engine
+of the run (minikv, with ``--compile`` minikv compiled too, with ``--vllm``
 vLLM in its own virtualenv as a :class:`~minikv.bench.vllm_peer.Worker`) is alive at once and makes each
 call in turn on the same prompts, so the machine's slow spells, which last minutes on a shared host,
 land on all of them alike.
@@ -169,11 +170,14 @@ def cli(argv: list[str] | None = None) -> int:
     if args.compile:
         runs["minikv+compile"] = minikv_run(model, tokenizer, compile=True)
     neighbours = {}
-    if args.beside is not None:   # the same engine, with a busy neighbour in its process or beside it
+    if args.beside is not None:
         from minikv.bench.contention import beside
 
+        # minikv again, with a busy neighbour in its process or beside it: an engine of its own each, since
+        # every engine gets the same prompts and one engine's prefix cache would serve the next
         neighbours = {f"beside a {kind}": kind for kind in ("thread", "process")}
-        runs.update({name: beside(runs["minikv"], kind, args.beside) for name, kind in neighbours.items()})
+        runs.update({name: beside(minikv_run(model, tokenizer), kind, args.beside)
+                     for name, kind in neighbours.items()})
     with ExitStack() as stack:
         if args.vllm:
             runs["vllm"] = stack.enter_context(vllm_worker(model, tokenizer, spec, Path(args.vllm_venv)))
