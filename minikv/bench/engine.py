@@ -17,8 +17,9 @@ Three systems, each timed from the first request handed over to the last token b
 
 With ``--vllm``, vLLM's CPU build (a ``vllm_peer.Worker``) serves the same requests, and its runs and
 minikv's take turns (``interleaved``): the ratio is the median of the ratios of runs made seconds apart,
-so a slow spell of a shared machine falls on both. Each system first serves two short warm-up requests
-(untimed). ``static`` is the token-for-token
+so a slow spell of a shared machine falls on both.
+
+Each system first serves two short warm-up requests (untimed). ``static`` is the token-for-token
 reference: it is transformers' plain generate, one forward per step with a dense KV cache.
 On CUDA the bench also times one decode step of minikv's runner at batch 1, 8 and 64.
 """
