@@ -126,7 +126,7 @@ def bench(*args, timeout=300):
 
 def test_the_command_on_depth30():
     done = bench("--model", "depth30", "--batches", "1,2", "--steps", "3", "--repeat", "1", "--prefill", "16",
-                 "--context", "16", "--beside", "0.3", "--json")
+                 "--context", "16", "--beside", "0.3", "--from-thread", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     assert set(report["seconds"]["minikv"]) == {"prefill", "decode_b1", "decode_b2"}
@@ -134,6 +134,9 @@ def test_the_command_on_depth30():
     assert set(ratios) == {"beside a thread", "beside a process"} and report["beside"]["duty"] == 0.3
     assert all(set(r) == {"prefill", "decode_b1", "decode_b2"} and all(v > 0 for v in r.values())
                for r in ratios.values())
+    # --from-thread: an engine in a process of its own stepped from its main thread, and one from a 2nd thread
+    assert {"own process", "2nd thread"} <= set(report["seconds"])
+    assert set(report["from_thread"]["ratio_to_main_thread"]) == {"prefill", "decode_b1", "decode_b2"}
     assert report["samples"]["minikv"]["prefill"] == [report["seconds"]["minikv"]["prefill"]]   # --repeat 1
     assert all(0 < s < 10 for s in report["seconds"]["minikv"].values()), report
 

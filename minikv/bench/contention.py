@@ -10,6 +10,9 @@ the GIL and a core); and beside a separate process busy the same share (it needs
 
 The neighbour's work is what an event loop does between waits: JSON in and out of small dicts, in
 bursts of ``duty`` x 10 ms, each followed by a sleep of the rest of the 10 ms.
+
+`own_process` times the other thing a process can do to its forward (`bench steps --from-thread`): step
+it from a thread other than the one whose torch ops loaded the model, so two OpenMP pools share the cores.
 """
 
 from __future__ import annotations
@@ -64,3 +67,55 @@ def beside(run, kind: str, duty: float):
             return run(prompts, max_tokens)
 
     return run_beside
+
+
+
+def _answer_calls(conn, model_name: str, second_thread: bool) -> None:
+    """A spawned process's body: load the model on the main thread (its torch ops start an OpenMP pool
+    there), then time each `(prompts, max_tokens)` received on `conn`, stepped from the main thread or from
+    a second one, and send back the seconds; None ends it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from minikv.bench.steps import load, minikv_run
+
+    model, tokenizer = load(model_name)
+    torch.ones(1 << 22).add_(1)   # a parallel op on the main thread: its pool exists whatever loading did
+    run = minikv_run(model, tokenizer)
+    second = ThreadPoolExecutor(1, thread_name_prefix="minikv-second") if second_thread else None
+    conn.send("ready")
+    while (call := conn.recv()) is not None:
+        conn.send(second.submit(run, *call).result() if second is not None else run(*call))
+
+
+@contextmanager
+def own_process(model_name: str, second_thread: bool):
+    """`run(prompts, max_tokens) -> seconds` by a minikv engine in a spawned process of its own, whose main
+    thread loaded the model; `second_thread`: every call is stepped from one long-lived second thread.
+
+    torch runs its CPU ops on an OpenMP pool per calling thread, and libgomp lets idle workers spin only
+    while the process's OpenMP threads fit the cores; past that each parallel region wakes them from sleep.
+    The two settings differ in the calling thread only, so their ratio is what a second pool costs. (They
+    run in processes of their own because a second pool slows every thread of its process, the main one too.)"""
+    context = multiprocessing.get_context("spawn")
+    mine, theirs = context.Pipe()
+    worker = context.Process(target=_answer_calls, args=(theirs, model_name, second_thread), daemon=True)
+    worker.start()
+    try:
+        if not mine.poll(600) or mine.recv() != "ready":
+            raise RuntimeError("the minikv process of --from-thread did not start within 600 s")
+
+        def run(prompts: list[list[int]], max_tokens: int) -> float:
+            mine.send((prompts, max_tokens))
+            return mine.recv()
+
+        yield run
+    finally:
+        try:
+            mine.send(None)
+        except OSError:
+            pass
+        worker.join(30)
+        if worker.is_alive():
+            worker.kill()

@@ -233,9 +233,9 @@ def offline_steps(args, batches: list[int], prompt_len: int, steps: int = 6, see
     """Decode-only steps of the same model and engine flags in this process, no server (no event loop, no
     HTTP): per batch size, the mean and spread of `steps` step durations (after one warm-up).
 
-    As in the server, the model loads on this thread and the engine steps on another. On this 2-core machine
-    under load it mattered (why is not isolated): one engine measured 0.6-4 s a batch-4 step from the thread
-    that loaded it, ~0.2 s from another thread; loading and stepping both on a worker thread was slow too."""
+    As in the server (`EngineLoop.build`), the model loads on the thread that steps it, and no other thread of
+    this process runs torch: torch's CPU thread pool is per calling thread, and a second pool on a 2-core
+    machine makes every op wait for a sleeping worker (`minikv.server.engine_loop`)."""
     import threading
 
     import torch
@@ -244,15 +244,15 @@ def offline_steps(args, batches: list[int], prompt_len: int, steps: int = 6, see
     from minikv.engine import LLMEngine
     from minikv.models import load_model
 
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
-    engine = LLMEngine(model, tokenizer, EngineConfig.from_cli_args(args, verbose=False))
     out: dict[int, dict] = {}
     failed: list[BaseException] = []
 
     def run():
         try:
+            if getattr(args, "threads", None):
+                torch.set_num_threads(args.threads)
+            model, tokenizer = load_model(args.model)
+            engine = LLMEngine(model, tokenizer, EngineConfig.from_cli_args(args, verbose=False))
             out.update(_decode_steps(engine, batches, prompt_len, steps, seed))
         except BaseException as err:   # re-raised in the caller
             failed.append(err)

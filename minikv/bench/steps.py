@@ -23,6 +23,11 @@ engine's cost per layer and per step (Python, operator dispatch, launching kerne
 
 ``--beside DUTY`` adds minikv beside a busy Python thread of its own process and beside a busy process
 (``minikv.bench.contention``): the served engine's forward shares the GIL with the event loop.
+
+``--from-thread`` adds two minikv engines in processes of their own, each loaded on its process's main
+thread: one stepped from that thread, one from a second, long-lived thread, while the main thread keeps
+torch's OpenMP pool. The second is how `minikv serve` ran its engine until its engine thread built the
+engine itself (`minikv.server.engine_loop`, "Why one thread runs torch"); only the calling thread differs.
 """
 
 from __future__ import annotations
@@ -142,6 +147,9 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--beside", type=float, metavar="DUTY",
                         help="also minikv beside a Python thread, and beside a process, each busy DUTY of the "
                              "time (e.g. 0.3): what sharing the GIL costs a forward (minikv.bench.contention)")
+    parser.add_argument("--from-thread", action="store_true",
+                        help="also minikv stepped from a second thread while the main thread holds torch's CPU "
+                             "thread pool: what two OpenMP pools on this machine's cores cost a step")
     parser.add_argument("--vllm-venv", default=str(vllm_peer.VENV), help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = parser.parse_args(argv)
@@ -177,6 +185,11 @@ def cli(argv: list[str] | None = None) -> int:
         runs.update({name: beside(minikv_run(model, tokenizer), kind, args.beside)
                      for name, kind in neighbours.items()})
     with ExitStack() as stack:
+        if args.from_thread:
+            from minikv.bench.contention import own_process
+
+            for name, second in (("own process", False), ("2nd thread", True)):
+                runs[name] = stack.enter_context(own_process(args.model, second))
         if args.vllm:
             runs["vllm"] = stack.enter_context(vllm_worker(model, tokenizer, spec, Path(args.vllm_venv)))
         samples = measure(runs, spec)
@@ -190,6 +203,9 @@ def cli(argv: list[str] | None = None) -> int:
     if neighbours:
         report["beside"] = {"duty": args.beside, "ratio_to_alone": {
             name: {shape: figures[1] for shape, figures in alone[name].items()} for name in neighbours}}
+    if args.from_thread:
+        report["from_thread"] = {"ratio_to_main_thread": {
+            shape: figures[1] for shape, figures in summarize(samples, "own process")["2nd thread"].items()}}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -200,6 +216,8 @@ def cli(argv: list[str] | None = None) -> int:
     ours = [name for name in ("minikv", "minikv+compile") if name in results]
     if neighbours:
         ours += list(neighbours)
+    if args.from_thread:
+        ours += ["own process", "2nd thread"]
     header = f"{'shape':<40}" + "".join(f"{name + ' ms':>20}" for name in ours)
     if args.vllm:
         header += f"{'vLLM ms':>12}" + "".join(f"{name + '/vLLM':>20}" for name in ours)
@@ -216,4 +234,9 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"{'shape':<40}" + "".join(f"{name + ' / alone':>26}" for name in neighbours))
         for key, label in labels.items():
             print(f"{label:<40}" + "".join(f"{alone[name][key][1]:>26.2f}" for name in neighbours))
+    if args.from_thread:
+        print("\nminikv in a process of its own, stepped from a 2nd thread over stepped from the main thread that "
+              "loaded it (the median of paired ratios): the cost of two OpenMP pools on the cores")
+        for key, label in labels.items():
+            print(f"{label:<40}{report['from_thread']['ratio_to_main_thread'][key]:>12.2f}")
     return 0

@@ -101,29 +101,35 @@ def run_server(args) -> int:
         if getattr(args, flag) < (0 if flag == "port" else 1):
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
     config = EngineConfig.from_cli_args(args, verbose=False)   # a bad engine flag fails before the model loads
-    if args.threads is not None:
-        import torch
-        torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
-    if tokenizer is None and ALIASES.get(args.model, args.model) == TINY:
-        from minikv.server.tokenizer import byte_tokenizer
-        tokenizer = byte_tokenizer()   # so the tiny test model reads text and chat too
-    if next(model.parameters()).device.type == "cpu" and config.enable_chunked_prefill:   # interactive defaults
-        budget = config.max_num_batched_tokens or CPU_STEP_BUDGET
-        cap = config.long_prefill_token_threshold
-        config = dataclasses.replace(config, max_num_batched_tokens=budget,
-                                     long_prefill_token_threshold=min(CPU_PREFILL_CAP, budget) if cap is None else cap)
-    engine = LLMEngine(model, tokenizer, config)
-    cap = config.long_prefill_token_threshold
+    loaded = {}
+
+    def make_engine() -> LLMEngine:
+        """On the engine thread (EngineLoop.build): the model loads where it will run, so torch's CPU thread
+        pool lives on that one thread only."""
+        nonlocal config
+        if args.threads is not None:
+            import torch
+            torch.set_num_threads(args.threads)
+        model, tokenizer = load_model(args.model)
+        if tokenizer is None and ALIASES.get(args.model, args.model) == TINY:
+            from minikv.server.tokenizer import byte_tokenizer
+            tokenizer = byte_tokenizer()   # so the tiny test model reads text and chat too
+        if next(model.parameters()).device.type == "cpu" and config.enable_chunked_prefill:   # interactive defaults
+            budget = config.max_num_batched_tokens or CPU_STEP_BUDGET
+            cap = config.long_prefill_token_threshold
+            config = dataclasses.replace(config, max_num_batched_tokens=budget, long_prefill_token_threshold=min(
+                CPU_PREFILL_CAP, budget) if cap is None else cap)
+        loaded["tokenizer"] = tokenizer
+        return LLMEngine(model, tokenizer, config)
+
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     landlord = Feed()
-    loop = EngineLoop(engine, metrics, landlord=landlord)
+    loop = EngineLoop.build(make_engine, metrics, landlord=landlord)
+    engine, tokenizer = loop.engine, loaded["tokenizer"]
+    cap = config.long_prefill_token_threshold
     state = ServerState(loop, tokenizer, name, max_waiting=args.max_waiting, api_key=args.api_key,
                         max_body_bytes=args.max_request_bytes, metrics=metrics, landlord=landlord)
-    metrics.after_step(engine, live=False, stepped=False)
-    landlord.after_step(engine, force=True)
-    loop.start()
     pool = engine.num_blocks * engine.block_size
     print(f"minikv serve: http://{args.host}:{args.port}/v1  model {name!r} ({engine.device}, context "
           f"{engine.max_model_len})\n  KV pool: {engine.num_blocks} blocks x {engine.block_size} tokens = {pool} "

@@ -6,7 +6,9 @@ Two sides, and what crosses between them:
   nothing: it puts an `Add` on the *inbox* (a thread-safe `queue.Queue`) and returns an
   `asyncio.Queue`, the request's *outbox*, which the handler awaits. `abort()` puts an `Abort`
   on the inbox. Neither waits for the engine.
-* **The engine thread** owns the `LLMEngine`; nothing else touches it. Each turn it drains the
+* **The engine thread** owns the `LLMEngine`; nothing else touches it. The server builds the engine on
+  that thread too (`EngineLoop.build`), so that it is the one thread of the process that runs torch (see
+  "Why one thread runs torch" below). Each turn it drains the
   inbox (`add_request` / `abort_request`), runs one `engine.step()` if any request is live, and
   posts each changed request's deltas (`minikv.outputs`: new ids, new text) to its outbox with
   ``loop.call_soon_threadsafe`` (which only schedules a `put_nowait` on the event loop: it never
@@ -18,6 +20,13 @@ kernels, so the event loop keeps parsing requests and writing chunks while a for
 A request that arrives mid-step waits in the inbox until that step ends and joins the batch at
 the next `schedule()`: continuous batching, seen from outside. A client that disconnects is
 aborted at the start of the next turn, i.e. within one step, and `abort_request` frees its blocks.
+
+Why one thread runs torch: on the CPU, torch runs its parallel ops on an OpenMP (libgomp) thread pool, one
+pool *per thread that calls them*, and libgomp keeps a pool's workers spinning between parallel regions
+only while the process's OpenMP threads fit the machine's cores; past that they sleep after a hundred spins
+and every region has to wake them. A model loaded on the main thread leaves a pool there; a second pool on
+the engine thread then puts every op of every step behind a futex wake-up. On a 2-core machine that made a
+batch-1 decode step ~1.6x slower served than offline (`bench steps --from-thread` shows it).
 
 Profiling (`bench serve --profile`, through ``/debug/profile``): while `profile` holds a `LoopProfile`,
 the thread records, per step, what it did around `engine.step()` (the forward's share of the step, the
@@ -33,6 +42,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from minikv.outputs import SampleDelta
@@ -156,8 +166,46 @@ class EngineLoop:
         self._idle_s = 0.0                      # blocked on an empty inbox or sleeping, since the last step
         self._inbox_s = 0.0                     # applying the inbox's adds and aborts, since the last step
 
+    @classmethod
+    def build(cls, make_engine: Callable[[], object], metrics=None, policy=None, landlord=None,
+              timeout: float | None = None) -> EngineLoop:
+        """Build the engine on the thread that will step it, start stepping, and return once it is built.
+
+        `make_engine()` loads the model and returns the `LLMEngine`; an error it raises is raised here. The
+        metrics and the landlord's feed get their first reading of the idle engine before this returns."""
+        built, ready = {}, threading.Event()
+
+        def body() -> None:
+            try:
+                loop = cls(make_engine(), metrics, policy, landlord)
+                loop._thread = threading.current_thread()
+                loop._read_idle()
+                built["loop"] = loop
+            except BaseException as err:   # re-raised in the caller
+                built["error"] = err
+                return
+            finally:
+                ready.set()
+            loop._run()
+
+        thread = threading.Thread(target=body, name="minikv-engine", daemon=True)
+        thread.start()
+        if not ready.wait(timeout):
+            raise TimeoutError(f"the engine was not built within {timeout} s")
+        if "error" in built:
+            raise built["error"]
+        return built["loop"]
+
     def start(self) -> None:
+        """Step an engine built elsewhere (tests, the in-process checks): `build` is the server's way."""
+        self._read_idle()
         self._thread.start()
+
+    def _read_idle(self) -> None:
+        if self.metrics is not None:
+            self.metrics.after_step(self.engine, live=False, stepped=False)
+        if self.landlord is not None:
+            self.landlord.after_step(self.engine, force=True)
 
     # -- the handler side (event loop thread) ----------------------------------------------------------
     def submit(self, request_id: str, prompt: dict, params: SamplingParams, max_queued: int | None = None,
