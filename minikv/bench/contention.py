@@ -70,19 +70,16 @@ def beside(run, kind: str, duty: float):
 
 
 
-def _answer_calls(conn, model_name: str, second_thread: bool) -> None:
-    """A spawned process's body: load the model on the main thread (its torch ops start an OpenMP pool
-    there), then time each `(prompts, max_tokens)` received on `conn`, stepped from the main thread or from
-    a second one, and send back the seconds; None ends it."""
+def _answer_calls(conn, make_run, second_thread: bool) -> None:
+    """A spawned process's body: `make_run()` loads the model on the main thread (its torch ops start an
+    OpenMP pool there), then each `(prompts, max_tokens)` received on `conn` is timed, stepped from the
+    main thread or from a second one, and the seconds sent back; None ends it."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
-    from minikv.bench.steps import load, minikv_run
-
-    model, tokenizer = load(model_name)
+    run = make_run()
     torch.ones(1 << 22).add_(1)   # a parallel op on the main thread: its pool exists whatever loading did
-    run = minikv_run(model, tokenizer)
     second = ThreadPoolExecutor(1, thread_name_prefix="minikv-second") if second_thread else None
     conn.send("ready")
     while (call := conn.recv()) is not None:
@@ -90,9 +87,10 @@ def _answer_calls(conn, model_name: str, second_thread: bool) -> None:
 
 
 @contextmanager
-def own_process(model_name: str, second_thread: bool):
-    """`run(prompts, max_tokens) -> seconds` by a minikv engine in a spawned process of its own, whose main
-    thread loaded the model; `second_thread`: every call is stepped from one long-lived second thread.
+def own_process(make_run, second_thread: bool):
+    """`run(prompts, max_tokens) -> seconds` by the engine `make_run()` builds (a picklable callable that
+    loads a model and returns a timed run) in a spawned process of its own, on its main thread;
+    `second_thread`: every call is stepped from one long-lived second thread.
 
     torch runs its CPU ops on an OpenMP pool per calling thread, and libgomp lets idle workers spin only
     while the process's OpenMP threads fit the cores; past that each parallel region wakes them from sleep.
@@ -100,7 +98,7 @@ def own_process(model_name: str, second_thread: bool):
     run in processes of their own because a second pool slows every thread of its process, the main one too.)"""
     context = multiprocessing.get_context("spawn")
     mine, theirs = context.Pipe()
-    worker = context.Process(target=_answer_calls, args=(theirs, model_name, second_thread), daemon=True)
+    worker = context.Process(target=_answer_calls, args=(theirs, make_run, second_thread), daemon=True)
     worker.start()
     try:
         if not mine.poll(600) or mine.recv() != "ready":

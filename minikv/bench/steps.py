@@ -37,6 +37,7 @@ import json
 import tempfile
 import time
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 
 from minikv.bench import vllm_peer
@@ -103,6 +104,11 @@ def minikv_run(model, tokenizer, compile: bool = False):
         return time.perf_counter() - start
 
     return run
+
+
+def loaded_run(name: str):
+    """`minikv_run` on the model `name`, loaded here (`--from-thread`'s processes each load their own)."""
+    return minikv_run(*load(name))
 
 
 def load(name: str):
@@ -189,7 +195,7 @@ def cli(argv: list[str] | None = None) -> int:
             from minikv.bench.contention import own_process
 
             for name, second in (("own process", False), ("2nd thread", True)):
-                runs[name] = stack.enter_context(own_process(args.model, second))
+                runs[name] = stack.enter_context(own_process(partial(loaded_run, args.model), second))
         if args.vllm:
             runs["vllm"] = stack.enter_context(vllm_worker(model, tokenizer, spec, Path(args.vllm_venv)))
         samples = measure(runs, spec)
