@@ -6,6 +6,7 @@ Each command is a thin shell over a module the course builds; see README for wha
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 BENCHES = {  # name -> module in minikv.bench exposing cli(argv) -> int
@@ -54,6 +55,9 @@ def cmd_bench(args) -> int:
     if which == "serve" and any(a == "--against" or a.startswith("--against=") for a in args.rest):
         which = "against"   # the same load against a peer's server: minikv.bench.against
     module = importlib.import_module(f"minikv.bench.{which}")
+    # A bench starts servers and workers (minikv's, vLLM's, in sessions of their own): stopped with SIGTERM,
+    # it must stop them as Ctrl-C does, through the `finally` blocks that started them, not leave them running.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     return module.cli(args.rest)
 
 

@@ -7,8 +7,11 @@ The pool is small (24 blocks of 16 tokens) so that the load preempts, and every 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -68,3 +71,55 @@ def test_wobble_correlates_gaps_with_preemptions():
 def test_bench_serve_refuses_bad_arguments(argv, match):
     with pytest.raises(ValueError, match=match):
         parse_args(argv)
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the live processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline") as f:
+                cmdline = f.read().replace("\0", " ")
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append((int(entry), cmdline))
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds the bench's server through /proc")
+def test_a_bench_stopped_with_sigterm_stops_the_server_it_started():
+    """Stopped with SIGTERM (kill, a CI timeout), a bench stops what it started, as Ctrl-C does: no server is left."""
+    import httpx
+
+    bench = subprocess.Popen([sys.executable, "-m", "minikv", "bench", "serve", "--model", "tiny-random-llama",
+                              "--threads", "1", "--num-requests", "5000", "--rate", "5", "--max-prompt-len", "16",
+                              "--max-output-len", "8"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, server, port = time.monotonic() + 120, None, None
+        while time.monotonic() < deadline and port is None:   # its server, once it answers
+            servers = [(pid, cmd) for pid, cmd in _children(bench.pid) if " serve " in cmd]
+            if servers:
+                server, cmd = servers[0]
+                words = cmd.split()
+                url = f"http://127.0.0.1:{words[words.index('--port') + 1]}/health"
+                try:
+                    port = httpx.get(url, timeout=2).status_code == 200 and url
+                except httpx.HTTPError:
+                    port = None
+            time.sleep(0.2)
+        assert port, "the bench's server did not come up within 120 s"
+        time.sleep(1)   # the load is running
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 128 + signal.SIGTERM
+        assert not os.path.exists(f"/proc/{server}"), "the bench left its server running"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        if server is not None and os.path.exists(f"/proc/{server}"):
+            os.kill(server, signal.SIGKILL)
