@@ -87,7 +87,10 @@ def test_breakdown_arithmetic_on_a_synthetic_record():
     res.chunk_tokens = [1] * 4
     res.stamps = [{"step": r["step"], "posted": r["time"] + 0.001, "picked": r["time"] + 0.002} for r in rows[1:]]
     res.server = {"arrival_s": 0.985, "queue_s": 0.0, "ttft_s": rows[1]["time"] - 0.985}
-    b = breakdown([res], {"steps": rows, "lag": [(1.02, 0.001)], "serialise_s": 0.0004, "chunks": 4})
+    # lag probes: (when, seconds late, the loop thread's CPU s so far): 4 ms of CPU in 40 ms of the run
+    b = breakdown([res], {"steps": rows, "lag": [(1.02, 0.001, 0.500), (1.06, 0.0, 0.504)], "serialise_s": 0.0004,
+                          "chunks": 4})
+    assert b["event_loop"]["cpu_share"] == pytest.approx(0.1)
     t = b["tpot"]["terms_ms"]
     assert b["tpot"]["client_mean_ms"] == pytest.approx(15.0)
     assert t["forward"] == pytest.approx(8.0) and t["step_rest"] == pytest.approx(2.0)

@@ -184,11 +184,17 @@ def breakdown(results: list, prof: dict) -> dict:
     # The window of the run: the event loop's lag and busy time in it
     t0 = min((r.start for r in ok), default=0.0)
     t1 = max((r.chunk_times[-1] for r in ok if r.chunk_times), default=t0)
-    lag = [x for t, x in prof.get("lag", []) if t0 <= t <= t1]
+    probes = [p for p in prof.get("lag", []) if t0 <= p[0] <= t1]
+    lag = [p[1] for p in probes]
     loop = None
     if lag:
         a = np.asarray(lag) * 1e3
-        loop = {"probes": len(lag), "lag_mean_ms": float(a.mean()), "lag_p50_ms": float(np.median(a)),
+        # the loop thread's CPU over the window, as a share of one core (what it leaves the engine's forward)
+        cpu = [p for p in probes if len(p) > 2]
+        busy = ((cpu[-1][2] - cpu[0][2]) / (cpu[-1][0] - cpu[0][0])
+                if len(cpu) > 1 and cpu[-1][0] > cpu[0][0] else None)
+        loop = {"probes": len(lag), "cpu_share": busy, "lag_mean_ms": float(a.mean()),
+                "lag_p50_ms": float(np.median(a)),
                 "lag_p99_ms": float(np.percentile(a, 99)), "lag_max_ms": float(a.max()),
                 "serialise_ms_per_chunk": prof["serialise_s"] / prof["chunks"] * 1e3 if prof.get("chunks") else None,
                 "serialise_share": prof.get("serialise_s", 0.0) / (t1 - t0) if t1 > t0 else None}
@@ -335,7 +341,8 @@ def print_breakdown(b: dict) -> None:
         ser = "-" if e["serialise_ms_per_chunk"] is None else f"{e['serialise_ms_per_chunk']:.3f}"
         print(f"event loop lag (probe every 10 ms, {e['probes']} probes): mean {e['lag_mean_ms']:.2f} ms, p50 "
               f"{e['lag_p50_ms']:.2f}, p99 {e['lag_p99_ms']:.2f}, max {e['lag_max_ms']:.1f}; chunk building + "
-              f"JSON {ser} ms a chunk ({e['serialise_share']:.1%} of the run)")
+              f"JSON {ser} ms a chunk ({e['serialise_share']:.1%} of the run)"
+              + ("" if e.get("cpu_share") is None else f"; its thread used {e['cpu_share']:.1%} of a core"))
     t = b["engine_thread"]
     if t["gap_not_running_fraction"] is not None:
         print(f"engine thread: {t['steps']} steps, busy {t['busy_fraction']:.0%} of the run; between steps "

@@ -138,13 +138,14 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 async def _watch_lag(prof: LoopProfile) -> None:
-    """How late a callback scheduled every LAG_EVERY seconds runs: the time the event loop was busy elsewhere."""
+    """How late a callback scheduled every LAG_EVERY seconds runs (the time the event loop was busy elsewhere),
+    and the event loop thread's CPU time so far (how much of a core it takes from the engine)."""
     loop = asyncio.get_running_loop()
     while True:
         due = loop.time() + LAG_EVERY
         await asyncio.sleep(LAG_EVERY)
         now = loop.time()
-        prof.lag.append((time.perf_counter(), max(0.0, now - due)))
+        prof.lag.append((time.perf_counter(), max(0.0, now - due), time.thread_time()))
 
 
 def _check_key(request: Request, state: ServerState) -> None:

@@ -98,7 +98,7 @@ class LoopProfile:
     def __init__(self, size: int = 1 << 14, lag_size: int = 1 << 16):
         self._lock = threading.Lock()
         self._rows: deque[dict] = deque(maxlen=size)
-        self.lag: deque[tuple[float, float]] = deque(maxlen=lag_size)   # (when, seconds late): event loop only
+        self.lag: deque[tuple] = deque(maxlen=lag_size)   # (when, seconds late, its CPU s): event loop only
         self.serialise_s = 0.0                                          # event loop only
         self.chunks = 0
         self.started = time.perf_counter()
