@@ -101,7 +101,6 @@ def run_server(args) -> int:
         if getattr(args, flag) < (0 if flag == "port" else 1):
             raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
     config = EngineConfig.from_cli_args(args, verbose=False)   # a bad engine flag fails before the model loads
-    loaded = {}
 
     def make_engine() -> LLMEngine:
         """On the engine thread (EngineLoop.build): the model loads where it will run, so torch's CPU thread
@@ -119,14 +118,14 @@ def run_server(args) -> int:
             cap = config.long_prefill_token_threshold
             config = dataclasses.replace(config, max_num_batched_tokens=budget, long_prefill_token_threshold=min(
                 CPU_PREFILL_CAP, budget) if cap is None else cap)
-        loaded["tokenizer"] = tokenizer
         return LLMEngine(model, tokenizer, config)
 
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     landlord = Feed()
     loop = EngineLoop.build(make_engine, metrics, landlord=landlord)
-    engine, tokenizer = loop.engine, loaded["tokenizer"]
+    engine = loop.engine
+    tokenizer = engine.tokenizer
     cap = config.long_prefill_token_threshold
     state = ServerState(loop, tokenizer, name, max_waiting=args.max_waiting, api_key=args.api_key,
                         max_body_bytes=args.max_request_bytes, metrics=metrics, landlord=landlord)
