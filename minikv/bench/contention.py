@@ -69,7 +69,6 @@ def beside(run, kind: str, duty: float):
     return run_beside
 
 
-
 def _answer_calls(conn, make_run, second_thread: bool) -> None:
     """A spawned process's body: `make_run()` loads the model on the main thread (its torch ops start an
     OpenMP pool there), then each `(prompts, max_tokens)` received on `conn` is timed, stepped from the
