@@ -2,6 +2,7 @@
 worker's protocol, and `bench engine --vllm` alternating its runs with a stand-in for it."""
 
 import json
+import math
 import multiprocessing
 import subprocess
 import sys
@@ -46,6 +47,10 @@ def test_a_ratio_is_taken_call_by_call():
     samples = {"mine": {"prefill": [1.2, 2.4, 1.25]}, "peer": {"prefill": [1.0, 2.0, 1.0]}}
     median, ratio = summarize(samples, "peer")["mine"]["prefill"]
     assert median == 1.25 and ratio == pytest.approx(1.2)
+    # a pair with a sample <= 0 (a decode step lost in the noise) has no ratio: the others still do
+    samples = {"mine": {"decode_b1": [1.2, -0.1, 2.4]}, "peer": {"decode_b1": [1.0, 0.5, 2.0]}}
+    assert summarize(samples, "peer")["mine"]["decode_b1"][1] == pytest.approx(1.2)
+    assert math.isnan(summarize({"mine": {"d": [0.0]}, "peer": {"d": [0.0]}}, "peer")["mine"]["d"][1])
 
 
 def test_engines_take_turns_on_the_same_prompts():
@@ -133,13 +138,19 @@ def test_the_command_on_depth30():
     assert set(report["seconds"]["minikv"]) == {"prefill", "decode_b1", "decode_b2"}
     ratios = report["beside"]["ratio_to_alone"]   # the same engine beside a busy thread, and a busy process
     assert set(ratios) == {"beside a thread", "beside a process"} and report["beside"]["duty"] == 0.3
-    assert all(set(r) == {"prefill", "decode_b1", "decode_b2"} and all(v > 0 for v in r.values())
-               for r in ratios.values())
+    # three depth30 steps are ~30 ms, a difference of two calls: on a busy CI host it can come out <= 0,
+    # which the bench says on stderr rather than hides; the ratios must still be numbers
+    noisy = [v for shapes in report["samples"].values() for shape, vs in shapes.items() if shape != "prefill"
+             for v in vs if v <= 0]
+    assert bool(noisy) == ("raise --steps" in done.stderr), done.stderr[-2000:]
+    assert all(set(r) == {"prefill", "decode_b1", "decode_b2"} and math.isfinite(r["prefill"])
+               and all(math.isfinite(v) or noisy for v in r.values()) for r in ratios.values())
     # --from-thread: an engine in a process of its own stepped from its main thread, and one from a 2nd thread
     assert {"own process", "2nd thread"} <= set(report["seconds"])
     assert set(report["from_thread"]["ratio_to_main_thread"]) == {"prefill", "decode_b1", "decode_b2"}
     assert report["samples"]["minikv"]["prefill"] == [report["seconds"]["minikv"]["prefill"]]   # --repeat 1
-    assert all(0 < s < 10 for s in report["seconds"]["minikv"].values()), report
+    assert 0 < report["seconds"]["minikv"]["prefill"] < 10, report
+    assert all(abs(s) < 10 for s in report["seconds"]["minikv"].values()), report
 
 
 def test_without_vllm_it_says_how_to_get_it(capsys):
@@ -230,3 +241,18 @@ def test_settle_waits_for_a_busy_process_to_end():
     finally:
         spin_long.kill()
         spin_long.wait()
+
+
+def test_a_decode_step_lost_in_the_noise_is_said(monkeypatch, capsys):
+    """A decode step is the difference of two calls; when N steps take no longer than one call's noise the
+    difference is <= 0, and the bench says so and what to do instead of printing it as a step."""
+    from types import SimpleNamespace
+
+    import minikv.bench.steps as steps
+
+    monkeypatch.setattr(steps, "load", lambda name: (SimpleNamespace(config=SimpleNamespace(vocab_size=1024)), None))
+    monkeypatch.setattr(steps, "minikv_run", lambda model, tokenizer, compile=False: lambda prompts, n: 0.01)
+    assert cli(["--model", "depth30", "--batches", "1", "--steps", "3", "--repeat", "1", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["samples"]["minikv"]["decode_b1"] == [0.0]
+    assert "minikv, decode_b1" in out.err and "raise --steps" in out.err

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from contextlib import ExitStack, contextmanager
@@ -85,9 +86,14 @@ def summarize(samples: dict, peer: str | None = None) -> dict:
     (a pair ran seconds apart, so a slow minute of the machine divides out): {name: {shape: (median, ratio)}}."""
     import statistics
 
-    return {name: {shape: (statistics.median(values), statistics.median(
-        mine / theirs for mine, theirs in zip(values, samples[peer][shape])) if peer in samples else None)
-        for shape, values in shapes.items()} for name, shapes in samples.items()}
+    def ratio(mine: list[float], theirs: list[float]) -> float:
+        # a decode sample <= 0 (noise larger than the steps, which the cli warns of) has no ratio to be
+        pairs = [m / t for m, t in zip(mine, theirs) if t > 0 and m > 0]
+        return statistics.median(pairs) if pairs else float("nan")
+
+    return {name: {shape: (statistics.median(values), ratio(values, samples[peer][shape]) if peer in samples
+                           else None)
+                   for shape, values in shapes.items()} for name, shapes in samples.items()}
 
 
 def minikv_run(model, tokenizer, compile: bool = False):
@@ -205,6 +211,11 @@ def cli(argv: list[str] | None = None) -> int:
               "ratio_to_vllm": {name: {shape: figures[1] for shape, figures in r.items()}
                                 for name, r in results.items() if args.vllm},
               "samples": samples}
+    for name, shapes in samples.items():   # a decode step is a difference of two calls: noise can swamp it
+        for shape, values in shapes.items():
+            if shape.startswith("decode") and min(values) <= 0:
+                print(f"warning: {name}, {shape}: a sample of {min(values) * 1e3:.1f} ms; {args.steps} steps were "
+                      "smaller than the noise of one call: raise --steps", file=sys.stderr)
     alone = summarize(samples, "minikv")
     if neighbours:
         report["beside"] = {"duty": args.beside, "ratio_to_alone": {
