@@ -87,7 +87,8 @@ def summarize(samples: dict, peer: str | None = None) -> dict:
     import statistics
 
     def ratio(mine: list[float], theirs: list[float]) -> float:
-        # a decode sample <= 0 (noise larger than the steps, which the cli warns of) has no ratio to be
+        # a pair with a decode sample <= 0 (noise larger than the steps; the cli warns of it) is left out;
+        # NaN when no pair is left
         pairs = [m / t for m, t in zip(mine, theirs) if t > 0 and m > 0]
         return statistics.median(pairs) if pairs else float("nan")
 
