@@ -21,6 +21,8 @@ BENCHES = {  # name -> module in minikv.bench exposing cli(argv) -> int
     "steps": "One step's cost, minikv vs vLLM's CPU build (--vllm), shape by shape: a prefill, decode at "
              "batches 1..8; --model depth30 for the fixed cost per step.",
     "linear": "One matmul on SmolLM2's shapes: eager F.linear vs a oneDNN-prepacked weight, M = 1..2048 rows.",
+    "ops": "A step's heavy operators, minikv's vs vLLM's CPU build's on the same tensors: each linear and a "
+           "prompt's attention, summed over a forward.",
     "gpu_check": "Everything a lent GPU should confirm (kernel tests, parity, kernel and engine benches), one JSON.",
     "kernel": "The Triton paged-attention kernel: on a GPU its bandwidth vs peak and vs contiguous attention; "
               "--static on any machine: registers, spills and occupancy compiled for T4/A100/H100.",

@@ -90,7 +90,7 @@ def python(venv: Path = VENV) -> Path | None:
     return exe if found.returncode == 0 else None
 
 
-def _environment(venv: Path, cores: str | None) -> dict:
+def environment(venv: Path, cores: str | None = None) -> dict:
     """vLLM's environment: offline, its threads bound to `cores` (default: every core this process may use),
     its compile cache inside the virtualenv, its own packages only."""
     cores = cores or f"0-{max(len(os.sched_getaffinity(0)) - 1, 0)}"
@@ -144,7 +144,7 @@ class Worker:
         self.log = open(Path(self.folder.name) / "stderr.log", "w+")
         # Its own process group: vLLM runs its engine core in child processes (holding gigabytes), which the
         # worker's os._exit does not stop, so close() ends the whole group.
-        self.process = subprocess.Popen([str(exe), "-c", script, str(spec_path)], env=_environment(venv, cores),
+        self.process = subprocess.Popen([str(exe), "-c", script, str(spec_path)], env=environment(venv, cores),
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                         start_new_session=True)
         # A worker that hangs is killed after `timeout` seconds in all; its next read then fails with its stderr.

@@ -1,0 +1,332 @@
+"""`python -m minikv bench ops`: a step's heavy operators, minikv's against vLLM's CPU build's, on the same tensors.
+
+`bench steps` times whole steps of the two engines; this times the two kinds of operator that make most
+of a step, each as minikv runs it and as vLLM runs it, on the same tensors, alternately, in one process:
+
+* the linears of one layer (q/k/v, o, gate/up, down; both engines merge q/k/v and gate/up) and the lm_head:
+  minikv's eager forwards of ``minikv.speed.linears`` (a oneDNN-prepacked weight, ``F.linear`` below
+  ``MIN_ROWS`` rows) against vLLM's ``onednn_mm`` (its own oneDNN matmul on a weight it packed once);
+* a prompt's attention (its first chunk, which reads only itself): writing its K/V into the paged store
+  and causal attention over them, minikv's ``index_copy_`` and PyTorch's ``scaled_dot_product_attention``
+  (the fresh-prompt branch of ``minikv.runner._attention``) against vLLM's ``cpu_attn_reshape_and_cache``
+  and ``cpu_attention_with_kv_cache``.
+
+A decode step's attention is not here: minikv's (``kernels/``, ``minikv.runner._attend``) needs the
+engine's plan, and `bench steps` shows decode steps at parity or better. Every timed call runs one
+forward's worth of its operator (each layer's own weights, so a small-row matmul streams them from
+memory as in a step); summed over a forward, the figures say how much of `bench steps`' prefill gap
+the operators account for.
+
+vLLM's operators are compiled against its virtualenv's PyTorch, so everything runs there; minikv's side
+is PyTorch alone and ``minikv/speed/linears.py`` (which imports nothing else), loaded by path, and the two
+virtualenvs must have the same PyTorch build (checked). This file is that script: above ``cli`` it imports
+torch only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+MARKER = "MINIKV-OPS "   # the result line (vLLM logs to stdout too)
+LINEARS = Path(__file__).resolve().parent.parent / "speed" / "linears.py"
+
+
+def shapes(config: dict) -> dict:
+    """Each linear of one layer (merged as both engines merge them) and the lm_head: name -> (out, in)."""
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    qkv = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * head_dim
+    return {"q/k/v": (qkv, hidden), "o": (hidden, config["num_attention_heads"] * head_dim),
+            "gate/up": (2 * config["intermediate_size"], hidden), "down": (hidden, config["intermediate_size"]),
+            "lm_head": (config["vocab_size"], hidden)}
+
+
+class VllmOps:
+    """vLLM's CPU operators, called as its CPU linear layers and CPU attention backend call them."""
+
+    name = "vllm"
+
+    def __init__(self):
+        from vllm import _custom_ops as ops
+
+        self.ops = ops
+
+    def linear(self, weight: torch.Tensor):
+        handler = self.ops.create_onednn_mm(weight.t(), 32)   # as vLLM's dispatch_cpu_unquantized_gemm does
+        return lambda x: self.ops.onednn_mm(handler, x, None)
+
+    def prompt_attention(self, q, k, v, scale: float, block_size: int = 128):
+        """q [T, H, D], k/v [T, KVH, D] -> a call writing k/v into a paged cache and returning [T, H, D]."""
+        tokens, heads, head_dim = q.shape
+        kv_heads, blocks = k.shape[1], -(-tokens // block_size)
+        cache = torch.zeros(blocks, kv_heads, 2 * block_size, head_dim)   # vLLM's CPU layout: K and V per block
+        key_cache, value_cache = cache.chunk(2, dim=2)
+        slots = torch.arange(tokens, dtype=torch.int64)
+        starts, lengths = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+        table = torch.arange(blocks, dtype=torch.int32).view(1, -1)
+        isa = "vec" if block_size % 32 == 0 else "vec16"
+        metadata = self.ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, seq_lens=lengths,
+            dtype=q.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
+            enable_kv_split=True)   # VLLM_CPU_ATTN_SPLIT_KV, on by default
+        out = torch.empty_like(q)
+
+        def call():
+            self.ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+            self.ops.cpu_attention_with_kv_cache(
+                query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
+                seq_lens=lengths, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+                block_table=table, softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+            return out
+
+        return call
+
+
+class TorchOps:
+    """A stand-in peer in plain PyTorch (the tests' and anyone's without vLLM): unpacked F.linear, and
+    attention by its definition, K/V repeated per query head."""
+
+    name = "torch"
+
+    def linear(self, weight: torch.Tensor):
+        return lambda x: F.linear(x, weight)
+
+    def prompt_attention(self, q, k, v, scale: float, block_size: int = 128):
+        group = q.shape[1] // k.shape[1]
+        mask = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
+
+        def call():
+            keys, values = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            scores = torch.einsum("thd,shd->hts", q, keys).mul(scale).masked_fill(~mask, float("-inf"))
+            return torch.einsum("hts,shd->thd", scores.softmax(-1), values)
+
+        return call
+
+
+def _minikv_linears():
+    """``minikv/speed/linears.py``, loaded by path (the minikv package needs what vLLM's virtualenv lacks)."""
+    module = sys.modules.get("minikv.speed.linears")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("minikv_speed_linears", LINEARS)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
+def minikv_linear(weights: list[torch.Tensor]):
+    """minikv's eager forward of one linear, each weight a sibling of a merged group (or one alone), as
+    ``PackedLinears`` routes it (the lm_head told apart by its size there): every sibling's forward called on
+    the one input, as a layer calls them. The call returns the siblings' outputs."""
+    linears = _minikv_linears()
+    modules = []
+    for weight in weights:
+        module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        module.weight = torch.nn.Parameter(weight, requires_grad=False)
+        modules.append(module)
+    forwards = list(linears.PackedLinears(_Holder(modules), merge=len(modules) > 1).forwards.values())
+    return lambda x: [forward(x) for forward in forwards]
+
+
+class _Holder(torch.nn.Module):
+    """A module whose children are one merged group's siblings, under the names minikv merges by."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        super().__init__()
+        names = {3: ("q_proj", "k_proj", "v_proj"), 2: ("gate_proj", "up_proj")}.get(len(modules), ("proj",))
+        for name, module in zip(names, modules):
+            setattr(self, name, module)
+
+
+def minikv_prompt_attention(q, k, v, scale: float, block_size: int = 16):
+    """The fresh-prompt branch of ``minikv.runner._attention``: K/V stored at their slots of the head-major
+    store, causal SDPA over this chunk (grouped-query), the output laid out [T, H, D]."""
+    tokens, heads, head_dim = q.shape
+    kv_heads, blocks = k.shape[1], -(-tokens // block_size)
+    k_store = torch.zeros(kv_heads, blocks, block_size, head_dim)
+    v_store = torch.zeros_like(k_store)
+    slots = torch.arange(tokens)
+    query, key, value = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))   # [1, heads, T, D], as HF passes them
+
+    def call():
+        k_store.view(kv_heads, -1, head_dim).index_copy_(1, slots, key[0])
+        v_store.view(kv_heads, -1, head_dim).index_copy_(1, slots, value[0])
+        out = q.new_empty(tokens, heads, head_dim)
+        out[:] = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
+                                                enable_gqa=True)[0].transpose(0, 1)
+        return out
+
+    return call
+
+
+@torch.inference_mode()
+def _pair(mine, theirs, repeat: int, timed=None) -> dict:
+    """Time `timed` (default: `mine`) and `theirs` alternately, `repeat` times each after a first call of
+    each: medians (ms), the median ratio of calls made back to back, and the largest difference between the
+    outputs of `mine` and `theirs`."""
+    diff = (mine() - theirs()).abs().max().item()
+    mine = timed or mine
+    a, b = [], []
+    for _ in range(repeat):
+        for fn, times in ((mine, a), (theirs, b)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return {"minikv_ms": 1e3 * statistics.median(a), "peer_ms": 1e3 * statistics.median(b),
+            "ratio": statistics.median(x / y for x, y in zip(a, b)), "max_abs_diff": diff}
+
+
+def measure(spec: dict, peer) -> list[dict]:
+    """One row per operator and row count: a forward's worth of calls (each layer's linear of that kind, on
+    its own weight; the prompt's attention once per layer), minikv's and the peer's. Weights are made as a
+    model's are (outside inference mode: minikv keys its packed copies by their version counters); the calls
+    run in inference mode, as the engine's do."""
+    gen = torch.Generator().manual_seed(spec.get("seed", 0))
+    config, layers = spec["config"], spec["config"]["num_hidden_layers"]
+    rows = sorted({*spec["prompts"], *spec["batches"]})
+    results = []
+    for name, (out_features, in_features) in shapes(config).items():
+        copies = 1 if name == "lm_head" else layers
+        weights = [torch.randn(out_features, in_features, generator=gen) * in_features ** -0.5 for _ in range(copies)]
+        if name == "q/k/v":
+            heads, head_dim = config["num_attention_heads"] * config["head_dim"], config["head_dim"]
+            split = [heads, config["num_key_value_heads"] * head_dim, config["num_key_value_heads"] * head_dim]
+        elif name == "gate/up":
+            split = [config["intermediate_size"]] * 2
+        else:
+            split = [out_features]
+        ours = [minikv_linear(list(w.split(split))) for w in weights]
+        theirs = [peer.linear(w) for w in weights]
+        for m in (sorted({*spec["batches"], 1}) if name == "lm_head" else rows):   # a prefill's lm_head reads 1 row
+            x = torch.randn(m, in_features, generator=gen)
+            results.append({"op": "linear", "name": f"{name} {out_features}x{in_features}", "rows": m,
+                            "calls": copies, **_pair(lambda: torch.cat([f(x) for f in ours][-1], dim=-1),
+                                                     lambda: [f(x) for f in theirs][-1], spec["repeat"],
+                                                     lambda: [f(x) for f in ours])})
+    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    for tokens in spec["prompts"]:
+        q = torch.randn(tokens, heads, head_dim, generator=gen)
+        k, v = (torch.randn(tokens, kv_heads, head_dim, generator=gen) for _ in range(2))
+        mine = minikv_prompt_attention(q, k, v, head_dim ** -0.5)
+        theirs = peer.prompt_attention(q, k, v, head_dim ** -0.5)
+        results.append({"op": "attention", "name": f"prompt of {tokens}", "rows": tokens, "calls": layers,
+                        **_pair(lambda: [mine() for _ in range(layers)][-1],
+                                lambda: [theirs() for _ in range(layers)][-1], spec["repeat"])})
+    return results
+
+
+def totals(results: list[dict], spec: dict) -> dict:
+    """Summed over one forward: {label: [minikv ms, peer ms]} for a prefill of each prompt length (the layers'
+    linears and attention at its length, the lm_head on its last row) and for the linears of a decode step at
+    each batch (its attention is not measured here: see the module's docstring)."""
+    def ms(op: str, rows: int, lm_head: bool = False) -> list[float]:
+        picked = [r for r in results
+                  if r["op"] == op and r["rows"] == rows and r["name"].startswith("lm_head") == lm_head]
+        return [sum(r["minikv_ms"] for r in picked), sum(r["peer_ms"] for r in picked)]
+
+    out = {f"prefill of {p}": [a + b + c for a, b, c in zip(ms("linear", p), ms("linear", 1, True),
+                                                             ms("attention", p))] for p in spec["prompts"]}
+    out.update({f"decode step at batch {b}, linears": [a + c for a, c in zip(ms("linear", b), ms("linear", b, True))]
+                for b in spec["batches"]})
+    return out
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    peer = VllmOps() if spec["peer"] == "vllm" else TorchOps()
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    results = measure(spec, peer)
+    print(MARKER + json.dumps({"torch": torch.__version__, "torch_config": torch.__config__.show(),
+                               "threads": torch.get_num_threads(), "peer": peer.name, "results": results}),
+          flush=True)
+
+
+
+def cli(argv: list[str] | None = None) -> int:
+    import argparse
+    import os
+    import subprocess
+    import tempfile
+
+    from minikv.bench import vllm_peer
+    from minikv.bench.steps import DEPTH30
+
+    parser = argparse.ArgumentParser(prog="python -m minikv bench ops", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "depth30"],
+                        help="whose shapes: smollm2-135m (default) or depth30 (SmolLM2's depth at a tiny width)")
+    parser.add_argument("--prompts", default="200", help="prompt lengths of the prefills (default 200)")
+    parser.add_argument("--batches", default="1,8,16", help="decode batch sizes (default 1,8,16)")
+    parser.add_argument("--repeat", type=int, default=15, help="calls per figure, the median kept (default 15)")
+    parser.add_argument("--peer", default="vllm", choices=["vllm", "torch"],
+                        help="vllm (default: its CPU build, in .venv-vllm, `make vllm`) or torch (a stand-in in "
+                             "plain PyTorch, run by this interpreter)")
+    parser.add_argument("--vllm-venv", default=str(vllm_peer.VENV), help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    args = parser.parse_args(argv)
+    try:
+        prompts, batches = ([int(x) for x in value.split(",") if x.strip()] for value in (args.prompts, args.batches))
+    except ValueError:
+        parser.error(f"--prompts and --batches take comma-separated integers, got {args.prompts!r}, {args.batches!r}")
+    for what, value in (("--repeat", args.repeat), *(("--prompts", p) for p in prompts),
+                        *(("--batches", b) for b in batches)):
+        if value < 1:
+            parser.error(f"{what} must be >= 1, got {value}")
+    if args.peer == "vllm":
+        exe = vllm_peer.python(Path(args.vllm_venv))
+        if exe is None:
+            print(vllm_peer.HOW_TO_GET_IT)
+            return 2
+        env = vllm_peer.environment(Path(args.vllm_venv))
+    else:
+        exe, env = Path(sys.executable), dict(os.environ)
+    if args.model == "depth30":
+        config = dict(DEPTH30)
+    else:
+        from minikv.models import smollm2_dir
+
+        config = json.loads((smollm2_dir() / "config.json").read_text())
+    config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    spec = {"peer": args.peer, "config": config, "prompts": prompts, "batches": batches, "repeat": args.repeat}
+    with tempfile.TemporaryDirectory(prefix="minikv-ops-") as folder:
+        spec_path = Path(folder) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        # -P: this file's folder is not put first on sys.path (minikv/bench/profile.py would shadow the stdlib's)
+        done = subprocess.run([str(exe), "-P", str(Path(__file__).resolve()), str(spec_path)], env=env,
+                              capture_output=True, text=True, timeout=3600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
+    if done.returncode != 0 or not lines:
+        print(f"the operators' script failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+        return 1
+    report = json.loads(lines[-1][len(MARKER):])
+    if report["torch_config"] != torch.__config__.show():
+        print(f"{exe} runs another PyTorch build ({report['torch']}) than minikv's ({torch.__version__}): "
+              "minikv's operators timed there would not be the ones minikv runs; install the same torch in both")
+        return 1
+    report["totals"] = totals(report["results"], spec)
+    report.pop("torch_config")
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    peer = "vLLM" if args.peer == "vllm" else "stand-in"
+    print(f"{args.model} shapes, fp32, PyTorch {report['torch']} ({report['threads']} threads), minikv's operators "
+          f"and {peer}'s alternating on the same tensors: medians of {args.repeat} calls, each call a forward's "
+          f"worth ({config['num_hidden_layers']} layers; the lm_head once)")
+    print(f"{'operator':<34}{'rows':>6}{'minikv ms':>12}{peer + ' ms':>13}{'minikv/' + peer:>17}{'max|diff|':>11}")
+    for r in report["results"]:
+        print(f"{r['op'] + ' ' + r['name']:<34}{r['rows']:>6}{r['minikv_ms']:>12.2f}{r['peer_ms']:>13.2f}"
+              f"{r['ratio']:>17.2f}{r['max_abs_diff']:>11.1e}")
+    print(f"\nsummed over one forward{'':<12}{'minikv ms':>12}{peer + ' ms':>13}{'minikv - ' + peer:>19}")
+    for label, (mine, theirs) in report["totals"].items():
+        print(f"{label:<40}{mine:>12.1f}{theirs:>13.1f}{mine - theirs:>+19.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

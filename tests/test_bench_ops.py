@@ -1,0 +1,97 @@
+"""`python -m minikv bench ops`: minikv's operators against a peer's on the same tensors, in the peer's process.
+
+vLLM's CPU build is not installed here (nor in CI): the command runs with ``--peer torch``, a stand-in in
+plain PyTorch, through the same subprocess, protocol and table; the parts that are minikv's (its linears'
+routing, its prompt attention) are checked against definitions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minikv.bench import ops
+from minikv.bench.ops import TorchOps, cli, minikv_linear, minikv_prompt_attention, totals
+from minikv.speed.linears import MIN_ROWS
+
+
+def test_the_command_with_a_stand_in_peer(capsys):
+    assert cli(["--peer", "torch", "--model", "depth30", "--repeat", "2", "--prompts", "40,70", "--batches", "1,8",
+                "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["peer"] == "torch" and report["torch"] == torch.__version__
+    results = report["results"]
+    layer = {"q/k/v 320x192", "o 192x192", "gate/up 512x192", "down 192x256"}
+    for name in layer:   # each layer's linear at every prompt length and batch; 30 layers' worth a call
+        assert sorted(r["rows"] for r in results if r["name"] == name) == [1, 8, 40, 70]
+        assert all(r["calls"] == 30 for r in results if r["name"] == name)
+    assert sorted(r["rows"] for r in results if r["name"].startswith("lm_head")) == [1, 8]
+    assert sorted(r["rows"] for r in results if r["op"] == "attention") == [40, 70]
+    for r in results:   # the same arithmetic, up to summation order; real timings
+        assert r["max_abs_diff"] < 1e-4, r
+        assert r["minikv_ms"] > 0 and r["peer_ms"] > 0 and r["ratio"] > 0, r
+    spec = {"prompts": [40, 70], "batches": [1, 8]}
+    expected = totals(results, spec)
+    assert set(report["totals"]) == set(expected)
+    assert all(report["totals"][k] == pytest.approx(v) for k, v in expected.items())
+    # a prefill of 40: each layer linear and the attention at 40 rows, the lm_head on the last row
+    prefill = [r for r in results if r["rows"] == 40 and not r["name"].startswith("lm_head")] + \
+        [r for r in results if r["name"].startswith("lm_head") and r["rows"] == 1]
+    assert len(prefill) == 6 and report["totals"]["prefill of 40"][0] == pytest.approx(
+        sum(r["minikv_ms"] for r in prefill))
+    assert report["totals"]["decode step at batch 8, linears"][1] == pytest.approx(
+        sum(r["peer_ms"] for r in results if r["op"] == "linear" and r["rows"] == 8))
+
+
+def test_the_table(capsys):
+    assert cli(["--peer", "torch", "--model", "depth30", "--repeat", "1", "--prompts", "16", "--batches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "minikv/stand-in" in out and "attention prompt of 16" in out and "prefill of 16" in out
+    assert "decode step at batch 2, linears" in out
+
+
+def test_minikvs_linears_route_as_the_engine_does():
+    """The bench times minikv.speed.linears' own forwards: merged siblings on the packed weight from MIN_ROWS
+    rows, each sibling's own F.linear below; either way the joined outputs are F.linear's."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, 48, generator=gen) for n in (32, 16, 16)]
+    forward = minikv_linear(weights)
+    joined = torch.cat(weights)
+    with torch.inference_mode():
+        few = torch.randn(MIN_ROWS - 1, 48, generator=gen)
+        assert [tuple(o.shape) for o in forward(few)] == [(MIN_ROWS - 1, n) for n in (32, 16, 16)]
+        assert torch.equal(torch.cat(forward(few), -1), torch.cat([F.linear(few, w) for w in weights], -1))
+        many = torch.randn(40, 48, generator=gen)
+        torch.testing.assert_close(torch.cat(forward(many), -1), F.linear(many, joined), rtol=1e-5, atol=1e-5)
+
+
+def test_minikvs_prompt_attention_is_causal_attention():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(37, 6, 16, generator=gen), torch.randn(37, 2, 16, generator=gen), \
+        torch.randn(37, 2, 16, generator=gen)
+    with torch.inference_mode():
+        mine, reference = minikv_prompt_attention(q, k, v, 0.25)(), TorchOps().prompt_attention(q, k, v, 0.25)()
+    assert mine.shape == (37, 6, 16)
+    torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mine[0], v[0].repeat_interleave(3, 0))   # the first token sees only itself
+
+
+def test_without_vllm_it_says_how_to_get_it(capsys):
+    assert cli(["--vllm-venv", "/nonexistent/venv", "--model", "depth30"]) == 2
+    assert "make vllm" in capsys.readouterr().out
+
+
+def test_another_torch_build_is_refused(monkeypatch, capsys):
+    """minikv's operators timed on another PyTorch would not be minikv's: the command says so."""
+    monkeypatch.setattr(ops.torch.__config__, "show", lambda: "some other build")
+    assert cli(["--peer", "torch", "--model", "depth30", "--repeat", "1", "--prompts", "8", "--batches", "1"]) == 1
+    assert "another PyTorch build" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", [["--batches", "0"], ["--prompts", "two"], ["--repeat", "0"]])
+def test_bad_options_say_what_is_wrong(bad, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli(bad)
+    assert stop.value.code == 2 and bad[0] in capsys.readouterr().err
