@@ -1,4 +1,5 @@
-// Paged-attention decode on the CPU: the Triton kernel's idea (stage 4) in C++ for a CPU's cores.
+// Paged-attention decode on the CPU: the Triton kernel's idea (stage 4) in C++ for a CPU's cores; below it, a
+// prompt's causal attention over itself (a prefill's first chunk), which reads no cache at all.
 //
 // The engine's PyTorch path gathers each sequence's blocks into a contiguous copy, in every layer,
 // every step, and then multiplies: the copy writes as many bytes as the cache holds for the batch
@@ -278,11 +279,184 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& k_store, cons
   return out;
 }
 
+// -- Prompt attention: a prompt's first chunk attends to itself, causally ------------------------------
+//
+// The same attention for T query positions at once, with nothing cached before them (a prefill's first
+// chunk; the runner's `fresh`): out[i] = softmax(q[i] k[0..i]^T * scale) v[0..i], for every query head.
+// PyTorch's SDPA does it with a flash kernel over MKL matmuls, one query head at a time; here:
+//
+// * one work item per (KV head, tile of kTile query positions): its G * kTile query rows (the G heads that
+//   share the KV head, at kTile positions) read the same keys 0 .. the tile's last position;
+// * both passes work on register blocks of query rows (12 rows in pass 1, 24 / NV in pass 2), so each key or
+//   V row loaded from cache serves a dozen or half a dozen FMAs;
+// * the keys of each KV head are first laid out transposed ([D, T], zero-padded: see Tpad), so pass 1
+//   computes scores 32 keys at a time: two accumulators a row, each FMA a broadcast query element times 16
+//   keys' elements, summed over d in order;
+// * the exact two-pass softmax of the decode kernel, row by row over the row's own keys (0 .. its position);
+//   the keys after it get probability 0;
+// * pass 2 sums probability-weighted V rows into output rows held in registers, one V row read per key for
+//   all of them;
+// * the tiles are handed out cheap and dear alternately (the last positions read the most keys), so that
+//   the threads' contiguous shares of the items cost about the same.
+//
+// Layouts: query [T, H, D], key/value [T, KVH, D], out [T, H, D], contiguous, fp32.
+
+constexpr int64_t kTile = 16;  // query positions per work item
+
+// One work item: query rows (position i0 + r / G, head g = r % G of KV head h) for r < n.
+struct PromptItem {
+  const float *q, *kt, *v;  // q at (i0, first head of h); kt: KV head h's transposed keys [D, Tpad]; v at (0, h)
+  int64_t i0, n, G, H, KVH, D, Tpad;
+  float scale;
+  float *scores, *o;  // scores: [n, Lpad] scratch; o at (i0, first head of h)
+  int64_t Lpad;
+  const float* qrow(int64_t r) const { return q + ((r / G) * H + r % G) * D; }
+  float* orow(int64_t r) const { return o + ((r / G) * H + r % G) * D; }
+  int64_t len(int64_t r) const { return i0 + r / G + 1; }  // keys row r may read: 0 .. its position
+};
+
+void prompt_generic(const PromptItem& it) {
+  for (int64_t r = 0; r < it.n; ++r) {
+    const int64_t len = it.len(r);
+    float* row = it.scores + r * it.Lpad;
+    const float* q = it.qrow(r);
+    for (int64_t j = 0; j < len; ++j) {
+      float acc = 0.f;
+      for (int64_t d = 0; d < it.D; ++d) acc += q[d] * it.kt[d * it.Tpad + j];
+      row[j] = acc * it.scale;
+    }
+    softmax_rows(row, 1, len);
+    float* o = it.orow(r);
+    std::fill(o, o + it.D, 0.f);
+    for (int64_t j = 0; j < len; ++j) {
+      const float* v = it.v + j * it.KVH * it.D;
+      for (int64_t d = 0; d < it.D; ++d) o[d] += row[j] * v[d];
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// Pass 1 for R rows from r0: their scores against keys 0 .. the last row's length, 32 keys at a time.
+template <int R, int NV>
+inline void prompt_scores(const PromptItem& it, int64_t r0) {
+  constexpr int D = 16 * NV;
+  const float* q[R];
+  for (int r = 0; r < R; ++r) q[r] = it.qrow(r0 + r);
+  const int64_t keys = it.len(r0 + R - 1);
+  for (int64_t j = 0; j < keys; j += 32) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const float* k = it.kt + j;
+    for (int d = 0; d < D; ++d, k += it.Tpad) {
+      const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 qd = _mm512_set1_ps(q[r][d]);
+        acc[r][0] = _mm512_fmadd_ps(qd, k0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(qd, k1, acc[r][1]);
+      }
+    }
+    const __m512 scale = _mm512_set1_ps(it.scale);
+    for (int r = 0; r < R; ++r) {
+      float* row = it.scores + (r0 + r) * it.Lpad + j;
+      _mm512_storeu_ps(row, _mm512_mul_ps(acc[r][0], scale));
+      _mm512_storeu_ps(row + 16, _mm512_mul_ps(acc[r][1], scale));
+    }
+  }
+}
+
+// Pass 2 for R rows from r0: the probability-weighted sum of V rows 0 .. the last row's length.
+template <int R, int NV>
+inline void prompt_values(const PromptItem& it, int64_t r0) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < NV; ++l) acc[r][l] = _mm512_setzero_ps();
+  const int64_t keys = it.len(r0 + R - 1);
+  const float* p[R];
+  for (int r = 0; r < R; ++r) p[r] = it.scores + (r0 + r) * it.Lpad;
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* v = it.v + j * it.KVH * 16 * NV;
+    __m512 vv[NV];
+    for (int l = 0; l < NV; ++l) vv[l] = _mm512_loadu_ps(v + 16 * l);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pr = _mm512_set1_ps(p[r][j]);
+      for (int l = 0; l < NV; ++l) acc[r][l] = _mm512_fmadd_ps(pr, vv[l], acc[r][l]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < NV; ++l) _mm512_storeu_ps(it.orow(r0 + r) + 16 * l, acc[r][l]);
+}
+
+// Rows r0 .. n in register blocks of R, then of fewer (4, 2, 1) for the rest: pass 1 (Scores) or pass 2.
+template <int R, int NV, bool Scores>
+inline void prompt_rows(const PromptItem& it, int64_t r0, int64_t n) {
+  for (; r0 + R <= n; r0 += R) {
+    if constexpr (Scores) prompt_scores<R, NV>(it, r0); else prompt_values<R, NV>(it, r0);
+  }
+  if constexpr (R > 1) prompt_rows<(R > 4 ? 4 : R / 2), NV, Scores>(it, r0, n);
+}
+
+template <int NV>
+void prompt_avx512(const PromptItem& it) {
+  prompt_rows<12, NV, true>(it, 0, it.n);  // 24 accumulators, 2 key vectors, a broadcast: 27 of 32 registers
+  for (int64_t r = 0; r < it.n; ++r) {  // each row's softmax over its own keys; the later ones weigh nothing
+    float* row = it.scores + r * it.Lpad;
+    const int64_t len = it.len(r);
+    softmax_rows_avx512(row, 1, len);
+    std::fill(row + len, row + it.len(it.n - 1), 0.f);
+  }
+  prompt_rows<24 / NV, NV, false>(it, 0, it.n);  // 24 accumulators (6 rows of 4 vectors at head_dim 64), NV V vectors
+}
+#endif
+
+at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.sizes() == key.sizes(),
+              "prompt_attention: query [T, H, D], key and value [T, KVH, D]");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
+                  value.scalar_type() == at::kFloat, "prompt_attention: float32 only");
+  TORCH_CHECK(query.is_contiguous() && key.is_contiguous() && value.is_contiguous(),
+              "prompt_attention: contiguous inputs");
+  const int64_t T = query.size(0), H = query.size(1), D = query.size(2), KVH = key.size(1);
+  TORCH_CHECK(key.size(0) == T && key.size(2) == D && KVH > 0 && H % KVH == 0, "prompt_attention: shapes disagree");
+  // Tpad: 32-key blocks and 16 more columns, so the d-th rows of the transposed keys (pass 1 reads 64 or 128 of
+  // them per block) are an odd number of cache lines apart and fall in different sets of the L1 cache.
+  const int64_t G = H / KVH, Tpad = (T + 31) / 32 * 32 + 16, tiles = (T + kTile - 1) / kTile;
+  auto out = at::empty_like(query);
+  if (T == 0) return out;
+  // Each KV head's keys transposed, [KVH, D, Tpad], zero beyond T: pass 1 reads 32 keys' d-th elements at once.
+  auto kt = at::zeros({KVH, D, Tpad}, key.options());
+  kt.narrow(2, 0, T).copy_(key.permute({1, 2, 0}));
+  const float *q_all = query.data_ptr<float>(), *kt_all = kt.data_ptr<float>(), *v_all = value.data_ptr<float>();
+  float* out_all = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, tiles * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t k = item / KVH, h = item % KVH;
+      const int64_t tile = k % 2 == 0 ? k / 2 : tiles - 1 - k / 2;  // 0, last, 1, last - 1, ...
+      const int64_t i0 = tile * kTile, n = std::min(kTile, T - i0) * G;
+      const int64_t Lpad = (i0 + n / G + 31) / 32 * 32;
+      scores.resize(n * Lpad);
+      const PromptItem it{q_all + (i0 * H + h * G) * D, kt_all + h * D * Tpad, v_all + h * D, i0, n, G, H, KVH, D,
+                          Tpad, fscale, scores.data(), out_all + (i0 * H + h * G) * D, Lpad};
+#if defined(__AVX512F__)
+      if (D == 64) { prompt_avx512<4>(it); continue; }
+      if (D == 128) { prompt_avx512<8>(it); continue; }
+#endif
+      prompt_generic(it);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(minikv_cpu, m) {
   m.def("paged_decode(Tensor query, Tensor k_store, Tensor v_store, Tensor block_tables, Tensor seq_lens, "
         "float scale) -> Tensor");
+  m.def("prompt_attention(Tensor query, Tensor key, Tensor value, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(minikv_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(minikv_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("prompt_attention", &prompt_attention);
+}

@@ -1,4 +1,4 @@
-"""The CPU paged-attention decode kernel (``paged_attention_cpu.cpp``): built once, then a torch op.
+"""The CPU attention kernels (``paged_attention_cpu.cpp``): paged decode and a prompt's causal attention.
 
 On the CPU the engine's PyTorch path gathers every decoding sequence's K/V blocks into a copy, in
 every layer of every step, before it multiplies. The C++ kernel beside this file reads them where
@@ -6,7 +6,8 @@ they lie, through the block table, as stage 4's Triton kernel does on a GPU. It 
 use with PyTorch's own extension builder (a C++ compiler and ``ninja`` are needed; about a minute
 once, then the build is reused from ``~/.cache/torch_extensions``) and registered as the operator
 ``torch.ops.minikv_cpu.paged_decode``, with a fake implementation so ``torch.compile`` can treat it
-as one opaque call.
+as one opaque call. The same build holds ``torch.ops.minikv_cpu.prompt_attention``: a prompt's first
+chunk attending to itself, causally (what the runner otherwise hands to PyTorch's SDPA).
 
 :func:`load` never raises: if the build fails (no compiler, say), it returns None with the reason in
 :data:`why_not`, and the runner keeps its PyTorch path, which computes the same thing.
@@ -61,6 +62,10 @@ def load(verbose: bool = False):
             def _fake(query, k_store, v_store, block_tables, seq_lens, scale):
                 return torch.empty_like(query)
 
+            @torch.library.register_fake("minikv_cpu::prompt_attention")
+            def _fake_prompt(query, key, value, scale):
+                return torch.empty_like(query)
+
             _op = op
         except Exception as error:  # a missing compiler or ninja: say so and let the caller fall back
             why_not = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
@@ -77,3 +82,12 @@ def paged_decode(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tens
     if op is None:
         raise RuntimeError(f"the CPU paged-attention kernel could not be built ({why_not})")
     return op(query.contiguous(), k_store, v_store, block_tables, seq_lens, float(scale))
+
+
+def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of T fresh tokens over themselves: query [T, H, D], key/value [T, KVH, D] (the H query
+    heads in KVH groups); returns [T, H, D]. fp32 CPU tensors. Raises if the kernel cannot be built."""
+    if _op is None and load() is None:
+        raise RuntimeError(f"the CPU attention kernels could not be built ({why_not})")
+    return torch.ops.minikv_cpu.prompt_attention(query.contiguous(), key.contiguous(), value.contiguous(),
+                                                 float(scale))

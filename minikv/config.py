@@ -61,7 +61,7 @@ class EngineConfig:
     watermark: float = 0.01                       # share of the pool kept free when admitting
     verbose: bool = True                          # print the pool's size at start
     prepack_linears: bool | None = None           # oneDNN weight prepacking (None: on the CPU in fp32)
-    cpu_kernel: bool | None = None                # C++ decode attention (None: on the CPU in fp32, when it builds)
+    cpu_kernel: bool | None = None                # C++ attention kernels (None: on the CPU in fp32, when they build)
     compile: bool = False                         # torch.compile of every step of >= 2 tokens
     decode_graphs: bool = False                   # CUDA graphs for decode steps (one extra scratch block)
 
@@ -118,7 +118,7 @@ _FLAGS = {
     "swap_space": (str, "CPU swap for --preemption-mode swap, bytes or like '4GiB' (default: the pool's size)"),
     "watermark": (float, "share of the pool kept free when admitting (default 0.01)"),
     "prepack_linears": (bool, "oneDNN weight prepacking (default: on the CPU in fp32)"),
-    "cpu_kernel": (bool, "C++ decode attention (default: on the CPU in fp32, when it builds)"),
+    "cpu_kernel": (bool, "C++ attention kernels, decode and prompt (default: on the CPU in fp32, when they build)"),
     "compile": (bool, "torch.compile every step, attention outside the graph (default off: minutes of start-up)"),
     "decode_graphs": (bool, "CUDA graphs for decode steps (default off)"),
 }

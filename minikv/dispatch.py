@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from minikv.attention import paged_attention_ref
 
@@ -153,8 +154,23 @@ class StepPlan:
     kernel_groups: list[AttnGroup]  # decode groups that go through a kernel (group.backend says which)
     num_tokens: int
     # (first token index, length) of each prefill chunk with nothing cached before it (start_pos 0):
-    # it attends only to itself, so SDPA runs it on the step's own K/V, as transformers' prefill does
+    # it attends only to itself, on the step's own K/V, as transformers' prefill does (see prompt_attention)
     fresh: list[tuple[int, int]] = field(default_factory=list)
+    fresh_backend: AttentionBackend = GATHER  # CPU_KERNEL: the C++ kernel runs them; else PyTorch's SDPA
+
+
+def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                     backend: AttentionBackend = GATHER) -> torch.Tensor:
+    """A prompt's first chunk attending causally to itself: query [1, H, T, D], key/value [1, KVH, T, D], as
+    the model passes them; returns [T, H, D]. The C++ kernel for ``CPU_KERNEL`` (``python -m minikv bench
+    ops`` times both against vLLM's), else PyTorch's SDPA (its flash kernel on the CPU, FlashAttention's on
+    a GPU), which is what transformers' own prefill runs."""
+    if backend == CPU_KERNEL:
+        from kernels.paged_attention_cpu import prompt_attention as kernel
+
+        return kernel(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scaling)
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                          enable_gqa=True)[0].transpose(0, 1)
 
 
 def kernel_decode(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, group: AttnGroup,

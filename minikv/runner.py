@@ -16,8 +16,9 @@ fresh queries, keys and values. That function
 2. reads each sequence's whole K/V back *through its block table*: decode tokens by paged
    attention, through the backend ``minikv.dispatch`` chose once (the Triton kernel on CUDA, a C++
    kernel on the CPU, both reading K/V where it lies; without them a vectorized gather + grouped
-   matmul), a prompt's first chunk (nothing cached before it) by PyTorch's fused causal attention
-   (SDPA) on the step's own K/V, as ``transformers`` computes a prefill, and any later chunk causally
+   matmul), a prompt's first chunk (nothing cached before it) by causal attention on the step's own
+   K/V, as ``transformers`` computes a prefill (the C++ kernel's prompt attention where decode uses
+   that kernel, else PyTorch's SDPA: ``minikv.dispatch.prompt_attention``), and any later chunk causally
    over its cached prefix (prefix-cache hits, earlier chunks) plus itself, a tile of queries at a time.
 
 Everything that describes the step's layout (slots, gather indices, masks) is built once per step
@@ -43,10 +44,18 @@ from contextlib import contextmanager, nullcontext
 from typing import Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 
 from minikv.blocks import blocks_for
-from minikv.dispatch import GATHER, AttnGroup, SeqStep, StepPlan, choose_backend, kernel_decode
+from minikv.dispatch import (
+    CPU_KERNEL,
+    GATHER,
+    AttnGroup,
+    SeqStep,
+    StepPlan,
+    choose_backend,
+    kernel_decode,
+    prompt_attention,
+)
 from minikv.metrics import SPAN_ATTENTION, SPAN_EXECUTE, SPAN_PLAN, spanned
 from minikv.sizing import cache_shape, kv_bytes_per_block
 from minikv.speed.linears import PackedLinears
@@ -229,11 +238,10 @@ def _attention(plan: StepPlan, layer: int, query, key, value, scaling: float) ->
         out = kernel_decode(query[0].transpose(0, 1), k_store, v_store, plan.kernel_groups[0], scaling)
     else:
         out = query.new_empty(num_tokens, num_heads, head_dim)
-        for start, n in plan.fresh:  # a prompt's first chunk sees only itself: causal SDPA, no cache read
+        for start, n in plan.fresh:  # a prompt's first chunk sees only itself: causal attention, no cache read
             rows = slice(start, start + n)
-            fresh = F.scaled_dot_product_attention(query[:, :, rows], key[:, :, rows], value[:, :, rows],
-                                                   is_causal=True, scale=scaling, enable_gqa=True)  # [1, H, n, D]
-            out[rows] = fresh[0].transpose(0, 1)
+            out[rows] = prompt_attention(query[:, :, rows], key[:, :, rows], value[:, :, rows], scaling,
+                                         plan.fresh_backend)
         for group in plan.groups:  # at most six: decodes and prefill chunks, each split by length
             out[group.out_index] = _attend(grouped, k_store, v_store, group, scaling)
         for group in plan.kernel_groups:
@@ -306,7 +314,8 @@ class ModelRunner:
     ``minikv.dispatch.choose_backend``: ``use_kernel=None`` takes the Triton kernel on CUDA, ``True`` on
     the CPU runs it under Triton's interpreter (slow: for testing the GPU's code path), ``False`` never;
     ``cpu_kernel=None`` takes the C++ kernel on the CPU in fp32 when it builds, ``False`` never, ``True``
-    insists (and says why it cannot); otherwise the gather path.
+    insists (and says why it cannot); otherwise the gather path. Where the C++ kernel is the backend, a
+    prompt's first chunk goes through its prompt kernel too (elsewhere through PyTorch's SDPA).
 
     The speed levers (``minikv.speed``), each the runner's own:
     ``prepack_linears=None`` prepacks the linear weights for oneDNN on the CPU in fp32 (see
@@ -438,7 +447,7 @@ class ModelRunner:
                 groups.append(_build_group([prefill[i] for i in part], [prefill_at[i] for i in part],
                                            self.block_size, dev, self.kv_heads, g, False, len(ids)))
         plan = StepPlan(self.k_stores, self.v_stores, torch.tensor(slots, device=dev), groups, kernel_groups, len(ids),
-                        fresh)
+                        fresh, CPU_KERNEL if self.attn_backend == CPU_KERNEL else GATHER)
         return (plan, torch.tensor([ids], device=dev), torch.tensor([positions], device=dev),
                 torch.tensor(logit_rows, device=dev))
 

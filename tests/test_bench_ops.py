@@ -28,7 +28,12 @@ def test_the_command_with_a_stand_in_peer(capsys):
         assert sorted(r["rows"] for r in results if r["name"] == name) == [1, 8, 40, 70]
         assert all(r["calls"] == 30 for r in results if r["name"] == name)
     assert sorted(r["rows"] for r in results if r["name"].startswith("lm_head")) == [1, 8]
-    assert sorted(r["rows"] for r in results if r["op"] == "attention") == [40, 70]
+    # the prompt's attention minikv runs (its C++ kernel where it builds), and SDPA timed beside it, not summed
+    kernel = ops.cpu_kernels() is not None
+    ran = [r["name"] for r in results if r["op"] == "attention" and r["runs"]]
+    assert ran == [f"prompt of {n}, {'C++ kernel' if kernel else 'SDPA'}" for n in (40, 70)]
+    assert [r["name"] for r in results if r["op"] == "attention" and not r["runs"]] == \
+        ([f"prompt of {n}, SDPA" for n in (40, 70)] if kernel else [])
     for r in results:   # the same arithmetic, up to summation order; real timings
         assert r["max_abs_diff"] < 1e-4, r
         assert r["minikv_ms"] > 0 and r["peer_ms"] > 0 and r["ratio"] > 0, r
@@ -37,7 +42,7 @@ def test_the_command_with_a_stand_in_peer(capsys):
     assert set(report["totals"]) == set(expected)
     assert all(report["totals"][k] == pytest.approx(v) for k, v in expected.items())
     # a prefill of 40: each layer linear and the attention at 40 rows, the lm_head on the last row
-    prefill = [r for r in results if r["rows"] == 40 and not r["name"].startswith("lm_head")] + \
+    prefill = [r for r in results if r["rows"] == 40 and r["runs"] and not r["name"].startswith("lm_head")] + \
         [r for r in results if r["name"].startswith("lm_head") and r["rows"] == 1]
     assert len(prefill) == 6 and report["totals"]["prefill of 40"][0] == pytest.approx(
         sum(r["minikv_ms"] for r in prefill))
@@ -48,7 +53,7 @@ def test_the_command_with_a_stand_in_peer(capsys):
 def test_the_table(capsys):
     assert cli(["--peer", "torch", "--model", "depth30", "--repeat", "1", "--prompts", "16", "--batches", "2"]) == 0
     out = capsys.readouterr().out
-    assert "minikv/stand-in" in out and "attention prompt of 16" in out and "prefill of 16" in out
+    assert "minikv/stand-in" in out and "attention prompt of 16, " in out and "prefill of 16" in out
     assert "decode step at batch 2, linears" in out
 
 
@@ -71,11 +76,13 @@ def test_minikvs_prompt_attention_is_causal_attention():
     gen = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(37, 6, 16, generator=gen), torch.randn(37, 2, 16, generator=gen), \
         torch.randn(37, 2, 16, generator=gen)
-    with torch.inference_mode():
-        mine, reference = minikv_prompt_attention(q, k, v, 0.25)(), TorchOps().prompt_attention(q, k, v, 0.25)()
-    assert mine.shape == (37, 6, 16)
-    torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(mine[0], v[0].repeat_interleave(3, 0))   # the first token sees only itself
+    reference = TorchOps().prompt_attention(q, k, v, 0.25)()
+    for kernel in [False] + ([True] if ops.cpu_kernels() is not None else []):
+        with torch.inference_mode():
+            mine = minikv_prompt_attention(q, k, v, 0.25, kernel)()
+        assert mine.shape == (37, 6, 16)
+        torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine[0], v[0].repeat_interleave(3, 0))   # the first token sees only itself
 
 
 def test_without_vllm_it_says_how_to_get_it(capsys):

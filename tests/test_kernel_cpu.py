@@ -1,4 +1,5 @@
-"""The C++ paged-attention decode kernel (kernels/paged_attention_cpu.cpp) against stage 3's reference.
+"""The C++ attention kernels (kernels/paged_attention_cpu.cpp): paged decode against stage 3's reference, and a
+prompt's causal attention against its definition.
 
 The kernel is built on first use (torch.utils.cpp_extension; `make install` builds it once). Where it
 cannot be built the runner falls back to its gather path, and these tests say why they skip.
@@ -91,3 +92,88 @@ def test_is_an_operator_torch_compile_can_trace():
     k, v = head_major(k), head_major(v)
     op = torch.ops.minikv_cpu.paged_decode
     torch.library.opcheck(op, (q, k, v, tables, seq_lens, 0.25), test_utils=("test_schema", "test_faketensor"))
+
+
+# -- the prompt kernel: a prompt's first chunk attending causally to itself ----------------------------------
+def causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v over keys 0..i for query i, in float64: q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+    group = q.shape[1] // k.shape[1]
+    keys, values = (x.double().repeat_interleave(group, 1) for x in (k, v))
+    scores = torch.einsum("thd,shd->hts", q.double(), keys) * scale
+    scores = scores.masked_fill(torch.ones(len(q), len(q), dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), values).float()
+
+
+# Lengths below, at and across the kernel's 16-position tiles and its 32-key blocks; the heads and head dims of
+# the decode kernel's sweep (64 and 128 take the AVX-512 path on such a build, the others its generic loop).
+PROMPTS = list(itertools.product([1, 2, 15, 16, 17, 33, 100, 257], [(4, 4), (9, 3), (8, 2), (8, 1), (12, 1)],
+                                 [64, 128, 24, 13]))
+
+
+@pytest.mark.parametrize("tokens,heads,head_dim", PROMPTS)
+def test_prompt_attention_matches_the_definition(tokens, heads, head_dim):
+    gen = torch.Generator().manual_seed(tokens * head_dim)
+    num_heads, num_kv_heads = heads
+    q = torch.randn(tokens, num_heads, head_dim, generator=gen)
+    k, v = (torch.randn(tokens, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    got = paged_attention_cpu.prompt_attention(q, k, v, head_dim**-0.5)
+    torch.testing.assert_close(got, causal_reference(q, k, v, head_dim**-0.5), atol=2e-6, rtol=2e-5)
+
+
+def test_prompt_attention_no_later_token_changes_an_earlier_output():
+    """Causal: changing the last token's key and value leaves every earlier output bit for bit as it was (the
+    kernel multiplies a later token's V row by a probability of exactly 0 where a register block of query rows
+    spans positions: a finite row, however large, adds exactly nothing)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(50, 9, 64, generator=gen), torch.randn(50, 3, 64, generator=gen), \
+        torch.randn(50, 3, 64, generator=gen)
+    before = paged_attention_cpu.prompt_attention(q, k, v, 0.125)
+    k[-1], v[-1] = 1e3, 1e30
+    after = paged_attention_cpu.prompt_attention(q, k, v, 0.125)
+    assert torch.equal(before[:-1], after[:-1]) and not torch.equal(before[-1], after[-1])
+
+
+def test_prompt_attention_takes_the_models_strided_views():
+    """The runner passes [T, H, D] views of the model's [1, H, T, D] tensors, v a slice of merged q/k/v rows."""
+    gen = torch.Generator().manual_seed(6)
+    qkv = torch.randn(40, (9 + 2 * 3) * 64, generator=gen)
+    q, k, v = (part.view(40, -1, 64) for part in qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1))
+    assert not v.is_contiguous()
+    got = paged_attention_cpu.prompt_attention(q, k, v, 0.125)
+    torch.testing.assert_close(got, causal_reference(q, k, v, 0.125), atol=2e-6, rtol=2e-5)
+
+
+def test_prompt_attention_with_extreme_scores_stays_finite():
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(300, 4, 64, generator=gen) * 50
+    k, v = torch.randn(300, 1, 64, generator=gen), torch.randn(300, 1, 64, generator=gen)
+    got = paged_attention_cpu.prompt_attention(q, k, v, 0.125)
+    assert torch.isfinite(got).all()
+    # scores in the hundreds carry fp32 rounding of ~1e-5 into the exponentials: PyTorch's own fp32 attention
+    # is no closer to the float64 definition; the kernel must be about as close as it is
+    exact = causal_reference(q, k, v, 0.125)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), scale=0.125,
+                                                            is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+    assert (got - exact).abs().max() <= max(2 * (sdpa - exact).abs().max(), 1e-5)
+
+
+@pytest.mark.parametrize("change,words", [("dtype", "float32 only"), ("heads", "shapes disagree"),
+                                          ("length", "shapes disagree"), ("rank", r"query \[T, H, D\]")])
+def test_prompt_attention_refuses_bad_inputs_with_the_reason(change, words):
+    q, k, v = torch.randn(8, 6, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+    if change == "dtype":
+        q, k, v = q.double(), k.double(), v.double()
+    elif change == "heads":
+        k, v = torch.randn(8, 4, 16), torch.randn(8, 4, 16)
+    elif change == "length":
+        k, v = k[:7], v[:7]
+    else:
+        q = q[None]
+    with pytest.raises(RuntimeError, match=words):
+        paged_attention_cpu.prompt_attention(q, k, v, 1.0)
+
+
+def test_prompt_attention_is_an_operator_torch_compile_can_trace():
+    q, k, v = torch.randn(20, 4, 16), torch.randn(20, 2, 16), torch.randn(20, 2, 16)
+    torch.library.opcheck(torch.ops.minikv_cpu.prompt_attention, (q, k, v, 0.25),
+                          test_utils=("test_schema", "test_faketensor"))

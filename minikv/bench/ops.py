@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 MARKER = "MINIKV-OPS "   # the result line (vLLM logs to stdout too)
 LINEARS = Path(__file__).resolve().parent.parent / "speed" / "linears.py"
+KERNELS = Path(__file__).resolve().parent.parent.parent / "kernels" / "paged_attention_cpu.py"
 
 
 def shapes(config: dict) -> dict:
@@ -110,11 +111,12 @@ class TorchOps:
         return call
 
 
-def _minikv_linears():
-    """``minikv/speed/linears.py``, loaded by path (the minikv package needs what vLLM's virtualenv lacks)."""
-    module = sys.modules.get("minikv.speed.linears")
+def _minikv_module(name: str, path: Path):
+    """A minikv module that imports nothing but torch, loaded by path where the minikv package is not importable
+    (it needs what vLLM's virtualenv lacks); the imported one where it is."""
+    module = sys.modules.get(name)
     if module is None:
-        spec = importlib.util.spec_from_file_location("minikv_speed_linears", LINEARS)
+        spec = importlib.util.spec_from_file_location(name.replace(".", "_"), path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     return module
@@ -124,7 +126,7 @@ def minikv_linear(weights: list[torch.Tensor]):
     """minikv's eager forward of one linear, each weight a sibling of a merged group (or one alone), as
     ``PackedLinears`` routes it (the lm_head told apart by its size there): every sibling's forward called on
     the one input, as a layer calls them. The call returns the siblings' outputs."""
-    linears = _minikv_linears()
+    linears = _minikv_module("minikv.speed.linears", LINEARS)
     modules = []
     for weight in weights:
         module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
@@ -144,22 +146,34 @@ class _Holder(torch.nn.Module):
             setattr(self, name, module)
 
 
-def minikv_prompt_attention(q, k, v, scale: float, block_size: int = 16):
+def cpu_kernels():
+    """minikv's C++ attention kernels (``kernels/paged_attention_cpu.py``), built on first use; None (and the
+    module's ``why_not``) where they cannot be built, as the runner then falls back to PyTorch."""
+    module = _minikv_module("kernels.paged_attention_cpu", KERNELS)
+    return module if module.load() is not None else None
+
+
+def minikv_prompt_attention(q, k, v, scale: float, kernel: bool, block_size: int = 16):
     """The fresh-prompt branch of ``minikv.runner._attention``: K/V stored at their slots of the head-major
-    store, causal SDPA over this chunk (grouped-query), the output laid out [T, H, D]."""
+    store, then causal attention over this chunk (``minikv.dispatch.prompt_attention``): the C++ kernel
+    (``kernel``, the runner's choice on the CPU in fp32 where it builds) or PyTorch's SDPA."""
     tokens, heads, head_dim = q.shape
     kv_heads, blocks = k.shape[1], -(-tokens // block_size)
     k_store = torch.zeros(kv_heads, blocks, block_size, head_dim)
     v_store = torch.zeros_like(k_store)
     slots = torch.arange(tokens)
     query, key, value = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))   # [1, heads, T, D], as HF passes them
+    attend = cpu_kernels().prompt_attention if kernel else None
 
     def call():
         k_store.view(kv_heads, -1, head_dim).index_copy_(1, slots, key[0])
         v_store.view(kv_heads, -1, head_dim).index_copy_(1, slots, value[0])
         out = q.new_empty(tokens, heads, head_dim)
-        out[:] = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
-                                                enable_gqa=True)[0].transpose(0, 1)
+        if attend is not None:
+            out[:] = attend(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scale)
+        else:
+            out[:] = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale,
+                                                    enable_gqa=True)[0].transpose(0, 1)
         return out
 
     return call
@@ -206,28 +220,33 @@ def measure(spec: dict, peer) -> list[dict]:
         for m in (sorted({*spec["batches"], 1}) if name == "lm_head" else rows):   # a prefill's lm_head reads 1 row
             x = torch.randn(m, in_features, generator=gen)
             results.append({"op": "linear", "name": f"{name} {out_features}x{in_features}", "rows": m,
-                            "calls": copies, **_pair(lambda: torch.cat([f(x) for f in ours][-1], dim=-1),
+                            "calls": copies, "runs": True, **_pair(lambda: torch.cat([f(x) for f in ours][-1], dim=-1),
                                                      lambda: [f(x) for f in theirs][-1], spec["repeat"],
                                                      lambda: [f(x) for f in ours])})
     heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    # the prompt's attention minikv runs (the C++ kernel where it builds), and the other one beside it
+    ways = {"C++ kernel": True, "SDPA": False} if cpu_kernels() is not None else {"SDPA": False}
     for tokens in spec["prompts"]:
         q = torch.randn(tokens, heads, head_dim, generator=gen)
         k, v = (torch.randn(tokens, kv_heads, head_dim, generator=gen) for _ in range(2))
-        mine = minikv_prompt_attention(q, k, v, head_dim ** -0.5)
         theirs = peer.prompt_attention(q, k, v, head_dim ** -0.5)
-        results.append({"op": "attention", "name": f"prompt of {tokens}", "rows": tokens, "calls": layers,
-                        **_pair(lambda: [mine() for _ in range(layers)][-1],
-                                lambda: [theirs() for _ in range(layers)][-1], spec["repeat"])})
+        for i, (way, kernel) in enumerate(ways.items()):
+            mine = minikv_prompt_attention(q, k, v, head_dim ** -0.5, kernel)
+            results.append({"op": "attention", "name": f"prompt of {tokens}, {way}", "rows": tokens, "calls": layers,
+                            "runs": i == 0,
+                            **_pair(lambda: [mine() for _ in range(layers)][-1],
+                                    lambda: [theirs() for _ in range(layers)][-1], spec["repeat"])})
     return results
 
 
 def totals(results: list[dict], spec: dict) -> dict:
     """Summed over one forward: {label: [minikv ms, peer ms]} for a prefill of each prompt length (the layers'
     linears and attention at its length, the lm_head on its last row) and for the linears of a decode step at
-    each batch (its attention is not measured here: see the module's docstring)."""
+    each batch (its attention is not measured here: see the module's docstring). Of minikv's operators, the
+    ones it runs (``runs``): the prompt's attention it would not choose is timed beside, not summed."""
     def ms(op: str, rows: int, lm_head: bool = False) -> list[float]:
-        picked = [r for r in results
-                  if r["op"] == op and r["rows"] == rows and r["name"].startswith("lm_head") == lm_head]
+        picked = [r for r in results if r["op"] == op and r["rows"] == rows and r["runs"]
+                  and r["name"].startswith("lm_head") == lm_head]
         return [sum(r["minikv_ms"] for r in picked), sum(r["peer_ms"] for r in picked)]
 
     out = {f"prefill of {p}": [a + b + c for a, b, c in zip(ms("linear", p), ms("linear", 1, True),
@@ -318,13 +337,15 @@ def cli(argv: list[str] | None = None) -> int:
     print(f"{args.model} shapes, fp32, PyTorch {report['torch']} ({report['threads']} threads), minikv's operators "
           f"and {peer}'s alternating on the same tensors: medians of {args.repeat} calls, each call a forward's "
           f"worth ({config['num_hidden_layers']} layers; the lm_head once)")
-    print(f"{'operator':<34}{'rows':>6}{'minikv ms':>12}{peer + ' ms':>13}{'minikv/' + peer:>17}{'max|diff|':>11}")
+    print(f"{'operator':<44}{'rows':>6}{'minikv ms':>12}{peer + ' ms':>13}{'minikv/' + peer:>17}{'max|diff|':>11}")
     for r in report["results"]:
-        print(f"{r['op'] + ' ' + r['name']:<34}{r['rows']:>6}{r['minikv_ms']:>12.2f}{r['peer_ms']:>13.2f}"
+        label = f"{r['op']} {r['name']}" + ("" if r["runs"] else " (not run)")
+        print(f"{label:<44}{r['rows']:>6}{r['minikv_ms']:>12.2f}{r['peer_ms']:>13.2f}"
               f"{r['ratio']:>17.2f}{r['max_abs_diff']:>11.1e}")
-    print(f"\nsummed over one forward{'':<12}{'minikv ms':>12}{peer + ' ms':>13}{'minikv - ' + peer:>19}")
+    print(f"\n{'summed over one forward (what minikv runs)':<50}{'minikv ms':>12}{peer + ' ms':>13}"
+          f"{'minikv - ' + peer:>19}")
     for label, (mine, theirs) in report["totals"].items():
-        print(f"{label:<40}{mine:>12.1f}{theirs:>13.1f}{mine - theirs:>+19.1f}")
+        print(f"{label:<50}{mine:>12.1f}{theirs:>13.1f}{mine - theirs:>+19.1f}")
     return 0
 
 
