@@ -55,9 +55,11 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _interleaved_ms(a, b, repeats: int) -> tuple[float, float, float, float]:
-    """Time a and b alternately (so both see the same load on a shared machine): medians and minima, ms."""
-    for _ in range(3):
+def alternate(a, b, repeats: int, warmup: int = 3) -> tuple[list[float], list[float]]:
+    """Seconds of `repeats` calls of a and of b, made alternately after `warmup` calls of each, so that both
+    see the same load on a shared machine (call i of a and call i of b ran back to back). Torch only: `bench
+    ops` runs it in vLLM's virtualenv too."""
+    for _ in range(warmup):
         a()
         b()
     ta, tb = [], []
@@ -66,6 +68,12 @@ def _interleaved_ms(a, b, repeats: int) -> tuple[float, float, float, float]:
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
+    return ta, tb
+
+
+def _interleaved_ms(a, b, repeats: int) -> tuple[float, float, float, float]:
+    """Time a and b alternately (`alternate`): medians and minima, ms."""
+    ta, tb = alternate(a, b, repeats)
     return (1e3 * statistics.median(ta), 1e3 * statistics.median(tb), 1e3 * min(ta), 1e3 * min(tb))
 
 

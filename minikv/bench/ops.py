@@ -7,18 +7,20 @@ of a step, each as minikv runs it and as vLLM runs it, on the same tensors, alte
   minikv's eager forwards of ``minikv.speed.linears`` (a oneDNN-prepacked weight, ``F.linear`` below
   ``MIN_ROWS`` rows) against vLLM's ``onednn_mm`` (its own oneDNN matmul on a weight it packed once);
 * a prompt's attention (its first chunk, which reads only itself): writing its K/V into the paged store
-  and causal attention over them, minikv's ``index_copy_`` and PyTorch's ``scaled_dot_product_attention``
-  (the fresh-prompt branch of ``minikv.runner._attention``) against vLLM's ``cpu_attn_reshape_and_cache``
-  and ``cpu_attention_with_kv_cache``.
+  and causal attention over them, minikv's ``index_copy_`` and its C++ prompt kernel (the fresh-prompt
+  branch of ``minikv.runner._attention``; PyTorch's ``scaled_dot_product_attention``, which it runs without
+  the kernel, is timed beside) against vLLM's ``cpu_attn_reshape_and_cache`` and
+  ``cpu_attention_with_kv_cache``.
 
 A decode step's attention is not here: minikv's (``kernels/``, ``minikv.runner._attend``) needs the
-engine's plan, and `bench steps` shows decode steps at parity or better. Every timed call runs one
+engine's plan; `bench steps` times decode steps whole. Every timed call runs one
 forward's worth of its operator (each layer's own weights, so a small-row matmul streams them from
 memory as in a step); summed over a forward, the figures say how much of `bench steps`' prefill gap
 the operators account for.
 
 vLLM's operators are compiled against its virtualenv's PyTorch, so everything runs there; minikv's side
-is PyTorch alone and ``minikv/speed/linears.py`` (which imports nothing else), loaded by path, and the two
+is PyTorch alone and three minikv files that import nothing else (``minikv/speed/linears.py``,
+``kernels/paged_attention_cpu.py``, ``minikv/bench/linear.py``), loaded by path, and the two
 virtualenvs must have the same PyTorch build (checked). This file is that script: above ``cli`` it imports
 torch only.
 """
@@ -29,7 +31,6 @@ import importlib.util
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 MARKER = "MINIKV-OPS "   # the result line (vLLM logs to stdout too)
 LINEARS = Path(__file__).resolve().parent.parent / "speed" / "linears.py"
 KERNELS = Path(__file__).resolve().parent.parent.parent / "kernels" / "paged_attention_cpu.py"
+TIMING = Path(__file__).resolve().parent / "linear.py"   # its `alternate`: two things timed turn about
 
 
 def shapes(config: dict) -> dict:
@@ -182,16 +184,10 @@ def minikv_prompt_attention(q, k, v, scale: float, kernel: bool, block_size: int
 @torch.inference_mode()
 def _pair(mine, theirs, repeat: int, timed=None) -> dict:
     """Time `timed` (default: `mine`) and `theirs` alternately, `repeat` times each after a first call of
-    each: medians (ms), the median ratio of calls made back to back, and the largest difference between the
-    outputs of `mine` and `theirs`."""
+    each (which compares their outputs): medians (ms), the median ratio of calls made back to back, and the
+    largest difference between the outputs of `mine` and `theirs`."""
     diff = (mine() - theirs()).abs().max().item()
-    mine = timed or mine
-    a, b = [], []
-    for _ in range(repeat):
-        for fn, times in ((mine, a), (theirs, b)):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
+    a, b = _minikv_module("minikv.bench.linear", TIMING).alternate(timed or mine, theirs, repeat, warmup=0)
     return {"minikv_ms": 1e3 * statistics.median(a), "peer_ms": 1e3 * statistics.median(b),
             "ratio": statistics.median(x / y for x, y in zip(a, b)), "max_abs_diff": diff}
 
