@@ -100,11 +100,12 @@ class LLMEngine:
     ``long_prefill_token_threshold`` (vLLM V1's name and meaning) caps one request's prefill chunk per
     step, within an unchanged ``max_num_batched_tokens``; None or 0 is no cap. It needs chunked prefill
     (refused without it, as vLLM needs chunked prefill for partial prefills).
-    ``prepack_linears`` (None: on the CPU in fp32) is the runner's oneDNN weight prepacking;
+    ``prepack_linears`` (None: on the CPU in fp32) is the runner's weight prepacking (for oneDNN and MKL);
     ``cpu_kernel`` (None: on the CPU in fp32, when it builds) its C++ attention (decode, and a prompt's
-    first chunk), and ``compile`` (False) its torch.compile of every step (see ModelRunner). ``decode_graphs`` (False) runs decode
-    steps through CUDA graphs captured at start, one per batch size (``minikv.speed.graphs``), with one
-    extra pool block as their scratch; on the CPU the same plan runs eagerly (a test of it, not a speed-up).
+    first chunk), and ``compile`` (False) its torch.compile of every step (see ModelRunner).
+    ``decode_graphs`` (False) runs decode steps through CUDA graphs captured at start, one per batch size
+    (``minikv.speed.graphs``), with one extra pool block as their scratch; on the CPU the same plan runs
+    eagerly (a test of it, not a speed-up).
     ``scheduler_cls`` (minikv's `Scheduler`) is built with ``(SchedulerConfig, BlockManager, SwapSpace)``:
     a subclass changes the policy through its public hooks (exercise 06 plugs a learner's policy in so).
     """

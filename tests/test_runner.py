@@ -174,7 +174,7 @@ def test_runners_of_one_model_share_its_packed_weights_until_a_weight_changes():
     torch.testing.assert_close(logits, plain_last_logits(model, [1, 5, 9]), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 33, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 31, 32, 33, 200])
 def test_merged_siblings_are_bitwise_their_separate_matmuls(rows):
     """q/k/v (with biases) and gate/up run as one matmul each: every slice is exactly the separate call's
     (fewer than four rows run each sibling's eager F.linear)."""
@@ -183,15 +183,33 @@ def test_merged_siblings_are_bitwise_their_separate_matmuls(rows):
     model = tiny("qwen2")
     runner = ModelRunner(model, 16, 16)
     layer = model.model.layers[1]
-    linear_pointwise = torch.ops.mkldnn._linear_pointwise
     x = torch.randn(rows, model.config.hidden_size)
     for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                   (layer.mlp.gate_proj, layer.mlp.up_proj)):
         merged = [runner.packed.forwards[m](x) for m in group]   # the first computes all, the others slice
         for m, out in zip(group, merged):   # under four rows: each sibling's own eager F.linear, not merged
             alone = (torch.nn.functional.linear(x, m.weight, m.bias) if rows < 4
-                     else linear_pointwise(x, _packed(m), m.bias, "none", [], ""))
+                     else _packed(m).linear(x, m.bias))
             assert torch.equal(out, alone)
+
+
+@pytest.mark.parametrize("rows", [4, 5, 8, 13, 16, 31, 32, 48, 200])
+@pytest.mark.parametrize("shape", [(576, 576), (960, 576), (576, 1536), (100, 64)])
+def test_packed_linear_is_f_linear_at_every_row_count(rows, shape):
+    """From MIN_ROWS to MKL_ROWS rows (a decode step's) Packed.linear is MKL's packed sgemm on a copy packed once
+    for any row count, from MKL_ROWS rows oneDNN's: F.linear's result to within rounding (with a bias, on a
+    [1, T, K] input, as the model calls it), for row counts other than the one MKL's copy was packed for."""
+    from minikv.speed.linears import Packed
+
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
+    x = torch.randn(1, rows, shape[1], generator=gen)
+    packed = Packed(weight)
+    with torch.inference_mode():
+        got, want = packed.linear(x, bias), torch.nn.functional.linear(x, weight, bias)
+    assert got.shape == (1, rows, shape[0])
+    # outputs of order sqrt(K) (up to ~40 here): a few ulp of them
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-5)
 
 
 def test_a_merged_sibling_given_another_input_computes_its_own():
@@ -256,6 +274,7 @@ def test_compiled_decode_step_runs_its_matmuls_on_the_packed_weights():
     from torch.profiler import profile
 
     from kernels import paged_attention_cpu
+    from minikv.speed.linears import mkl_packing
 
     if paged_attention_cpu.load() is None:
         pytest.skip(f"compile=True needs the CPU kernel: {paged_attention_cpu.why_not}")
@@ -273,12 +292,15 @@ def test_compiled_decode_step_runs_its_matmuls_on_the_packed_weights():
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     layers = model.config.num_hidden_layers
     assert "minikv_speed::merged_linear" in calls
-    assert calls.get("mkldnn::_linear_pointwise") == linears - 3 * layers   # 7 linears a layer: 2 merged + 2
+    # 7 linears a layer: 2 merged + 2; five rows are a decode step's, under MKL_ROWS: MKL's packed sgemm
+    packed_op = "mkl::_mkl_linear" if mkl_packing() else "mkldnn::_linear_pointwise"
+    assert calls.get(packed_op) == linears - 3 * layers
     logits = runner.execute([blocks.step(i, [9]) for i in range(5)])
     for i in range(5):
         torch.testing.assert_close(logits[i], plain_last_logits(model, [1] + [5 + i] * 20 + [7, 9]), atol=1e-5,
                                    rtol=1e-5)
-    assert not {"aten::mm", "aten::addmm", "aten::linear", "mkldnn::_reorder_linear_weight"} & set(calls)
+    assert not {"aten::mm", "aten::addmm", "aten::linear", "mkldnn::_reorder_linear_weight",
+                "mkl::_mkl_reorder_linear_weight"} & set(calls)
 
 
 def greedy_loop(runner: ModelRunner, prompts: list[list[int]], max_new: list[int], chunk: int = 10**9,

@@ -1,14 +1,16 @@
-"""Prepacked linears: the runner's matmuls on oneDNN's blocked weight layout, as vLLM's CPU build does.
+"""Prepacked linears: the runner's matmuls on weights packed once, as vLLM's CPU build packs them.
 
 Eager fp32 ``F.linear`` on the CPU runs sgemm on the raw weight for every call. Reordering each weight
 once into oneDNN's blocked layout lets a step's small-M matmuls (a few dozen token rows) run oneDNN's
-brgemm kernels instead; `python -m minikv bench linear` measures the difference on this machine.
+brgemm kernels instead; `python -m minikv bench linear` measures the difference on this machine. A
+decode step's matmuls (a few to a few dozen rows) run faster still on MKL's own packed sgemm (see
+:class:`Packed`), so each weight is packed for both and each call takes the copy that wins at its rows.
 
 Under ``torch.compile`` the packed weight cannot be a graph input (its oneDNN layout has no fake
 tensor) and inductor's own prepacking needs a static row count, so with ``dynamic=True`` it falls back
 to sgemm on the raw weight. :func:`packed_linear` is our own operator, ``minikv_speed::packed_linear(x,
 weight, bias)``: to the compiler an opaque call with ``F.linear``'s signature and a fake implementation
-(its output's shape), at run time ``_linear_pointwise`` on the packed copy of ``weight``. So a compiled
+(its output's shape), at run time :meth:`Packed.linear` on the packed copies of ``weight``. So a compiled
 graph fuses the elementwise ops between the matmuls and still runs every matmul on packed weights.
 
 Sibling linears that read one input (a layer's q/k/v projections, its MLP's gate and up projections) are
@@ -30,9 +32,51 @@ __all__ = ["MERGED", "PackedLinears", "merged_linear", "packed_linear"]
 # Names of sibling linears a module calls on one input, in the order it calls them (Llama, Mistral, Qwen2...).
 MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
-# Calls of fewer rows than this run eager F.linear on the raw weight (see PackedLinears: measured), the lm_head's
-# excepted (LM_HEAD_SIZE weights or more), which is packed at every row count.
-MIN_ROWS, LM_HEAD_SIZE = 4, 10**7
+# Calls of fewer rows than MIN_ROWS run eager F.linear on the raw weight (see PackedLinears: measured), the
+# lm_head's excepted (LM_HEAD_SIZE weights or more), which is packed at every row count. Calls of fewer rows than
+# MKL_ROWS (a decode step's) run MKL's packed sgemm, the others oneDNN's (see Packed: measured).
+MIN_ROWS, MKL_ROWS, LM_HEAD_SIZE = 4, 32, 10**7
+
+
+def mkl_packing() -> bool:
+    """Whether this PyTorch has MKL's packed sgemm as an operator (x86 builds with MKL do)."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+class Packed:
+    """One weight (or merged siblings' weights) packed once for each library that multiplies it.
+
+    oneDNN's blocked layout (``_reorder_linear_weight``, run by ``_linear_pointwise``) and MKL's packed
+    sgemm (``_mkl_reorder_linear_weight``, run by ``_mkl_linear``: ``F.linear``'s own MKL sgemm on a prepacked
+    operand, whose outputs are often F.linear's bit for bit, else within rounding). Each wins at its own row
+    counts: on SmolLM2's
+    four layer weights over 30 layers (each streamed from memory, as in a step), in one process beside vLLM's
+    ``onednn_mm`` (ms, oneDNN / MKL packed / vLLM): 4 rows 23.1 / 20.0 / 21.1, 16 rows 31.6 / 28.1 / 29.2,
+    32 rows 39.9 / 43.1 / 38.1, 200 rows 137.0 / 151.9 / 133.1. So a call of fewer than MKL_ROWS rows, a
+    decode step's, takes MKL's copy and a prefill's takes oneDNN's. Both copies cost memory, each as much
+    as the weights.
+
+    torch's ``_mkl_linear`` computes on the packed copy only when told the row count it was packed for
+    (else it falls back to the raw weight); MKL sizes a packed B without regard to the row count (the same
+    ``cblas_sgemm_pack_get_size`` for any m) and computes with it at any row count, so each call passes its own
+    (``tests/test_runner.py`` checks the outputs against F.linear's at every row count a step uses). The raw
+    weight that op wants for that fallback is a stand-in of its shape: merged siblings have no joined copy.
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        weight = weight.detach()
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        # not the lm_head's (LM_HEAD_SIZE weights or more): at a decode step's rows oneDNN's was as fast as vLLM's
+        # and MKL's slower (4 rows 5.0 against 4.5 ms, 8 rows 6.0 against 5.2), and it would cost 113 MB more
+        small = weight.numel() < LM_HEAD_SIZE
+        self.mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_ROWS) if mkl_packing() and small else None
+        self.shape = weight.new_empty(1).expand(weight.shape)  # the (N, K) the MKL op reads; no data
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.mkl is not None and rows < MKL_ROWS:
+            return torch.ops.mkl._mkl_linear(x, self.mkl, self.shape, bias, rows)
+        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
 
 
 def few_rows(x: torch.Tensor, min_rows: int = MIN_ROWS) -> bool:
@@ -47,15 +91,15 @@ _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PACKED_MERGED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # the same for merged siblings, by the first
 
 
-def _packed(module: torch.nn.Linear) -> torch.Tensor:
+def _packed(module: torch.nn.Linear) -> Packed:
     weight = module.weight
     with torch.no_grad():
         if weight.is_inference():  # no version counter to tell an in-place change: pack afresh, keep nothing
-            return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            return Packed(weight)
         stamp = (weight.data_ptr(), weight._version)
         entry = _PACKED.get(module)
         if entry is None or entry[0] != stamp:
-            entry = _PACKED[module] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+            entry = _PACKED[module] = (stamp, Packed(weight))
             _remember([weight], entry[1])
     return entry[1]
 
@@ -71,18 +115,17 @@ def _stamp(weights: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple]:
     return tuple(w._version for w in weights), tuple(tuple(w.shape) for w in weights)
 
 
-def _remember(weights: list[torch.Tensor], packed: torch.Tensor) -> None:
+def _remember(weights: list[torch.Tensor], packed: Packed) -> None:
     _BY_WEIGHTS[tuple(w.data_ptr() for w in weights)] = (*_stamp(weights), weakref.ref(packed))
 
 
-def _packed_copy(weights: list[torch.Tensor]) -> torch.Tensor:
-    """The live packed copy of these weights, joined, if it is current; else packed now (correct, if slow;
-    never a stale copy)."""
+def _packed_copy(weights: list[torch.Tensor]) -> Packed:
+    """The live packed copies of these weights, joined, if they are current; else packed now (correct, if
+    slow; never a stale copy)."""
     entry = _BY_WEIGHTS.get(tuple(w.data_ptr() for w in weights))
     packed = entry[2]() if entry is not None and entry[:2] == _stamp(weights) else None
     if packed is None:
-        joined = weights[0] if len(weights) == 1 else torch.cat(weights)
-        packed = torch.ops.mkldnn._reorder_linear_weight(joined.detach(), None)
+        packed = Packed(weights[0] if len(weights) == 1 else torch.cat(weights))
     return packed
 
 
@@ -100,7 +143,7 @@ class _Merged:
         self.pending = 0   # siblings yet to take their slice of `outputs`
 
     @staticmethod
-    def _weights(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _weights(modules: list[torch.nn.Linear]) -> tuple[Packed, torch.Tensor | None]:
         """The siblings' weights packed as one, and their biases joined; shared like `_packed`'s copies."""
         stamp = tuple((m.weight.data_ptr(), m.weight._version) for m in modules)
         entry = None if modules[0].weight.is_inference() else _PACKED_MERGED.get(modules[0])
@@ -108,7 +151,7 @@ class _Merged:
             with torch.no_grad():
                 weight = torch.cat([m.weight.detach() for m in modules])  # dropped once packed
                 bias = None if modules[0].bias is None else torch.cat([m.bias.detach() for m in modules])
-                entry = (stamp, (torch.ops.mkldnn._reorder_linear_weight(weight, None), bias))
+                entry = (stamp, (Packed(weight), bias))
             if not modules[0].weight.is_inference():
                 _PACKED_MERGED[modules[0]] = entry
                 _remember([m.weight for m in modules], entry[1][0])
@@ -122,7 +165,6 @@ class _Merged:
     def forward_of(self, i: int, graph: bool = False):
         """Sibling i's forward; ``graph=True``: through :func:`merged_linear`, for a forward torch.compile traces
         (the modules' own parameters are its arguments, so the graph sees parameters)."""
-        linear_pointwise = torch.ops.mkldnn._linear_pointwise
         weight, bias = self.modules[i].weight, self.modules[i].bias
         modules = self.modules
 
@@ -134,7 +176,7 @@ class _Merged:
                     out = merged_linear(x, [m.weight for m in modules],
                                         [m.bias for m in modules] if modules[0].bias is not None else [])
                 else:
-                    out = linear_pointwise(x, self.packed, self.bias, "none", [], "")
+                    out = self.packed.linear(x, self.bias)
                 self.input, self.outputs, self.pending = x, out.split(self.sizes, dim=-1), len(self.sizes)
             self.pending -= 1
             out = self.outputs[i]
@@ -152,7 +194,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     run time, since a compiled graph's row count is symbolic)."""
     if few_rows(x) and weight.numel() < LM_HEAD_SIZE:
         return torch.nn.functional.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, _packed_copy([weight]), bias, "none", [], "")
+    return _packed_copy([weight]).linear(x, bias)
 
 
 @packed_linear.register_fake
@@ -169,7 +211,7 @@ def merged_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[tor
         return torch.cat([torch.nn.functional.linear(x, w, b)
                           for w, b in zip(weights, biases or [None] * len(weights))], dim=-1)
     bias = torch.cat(biases) if biases else None
-    return torch.ops.mkldnn._linear_pointwise(x, _packed_copy(weights), bias, "none", [], "")
+    return _packed_copy(weights).linear(x, bias)
 
 
 @merged_linear.register_fake
@@ -178,13 +220,14 @@ def _(x, weights, biases):
 
 
 class PackedLinears:
-    """oneDNN-prepacked copies of a model's fp32 ``nn.Linear`` weights, active only inside :meth:`active`.
+    """Prepacked copies of a model's fp32 ``nn.Linear`` weights (:class:`Packed`), active only inside :meth:`active`.
 
-    The weights are reordered once (``torch.ops.mkldnn._reorder_linear_weight``); each call is then
-    ``torch.ops.mkldnn._linear_pointwise``. Same fp32 arithmetic as ``F.linear``, another summation
-    order (differences of a few 1e-6 on outputs of order 1). The model's own parameters are untouched;
-    the packed copies cost as much memory again as the linear weights (a tied ``lm_head`` included), once
-    per model: every ``PackedLinears`` of one model shares them while its weights are unchanged.
+    The weights are packed once, for oneDNN and for MKL; each call then runs on the copy that wins at its
+    row count (:meth:`Packed.linear`). Same fp32 arithmetic as ``F.linear``, in another summation order
+    (differences of a few 1e-6 on outputs of order 1). The model's own parameters
+    are untouched; the packed copies cost twice as much memory again as the linear weights (a tied
+    ``lm_head`` included), once per model: every ``PackedLinears`` of one model shares them while its
+    weights are unchanged.
 
     Calls of ``min_rows`` rows or more take the packed path; fewer (by default: up to three rows, a decode
     step of up to three sequences) take eager ``F.linear`` on the module's own weight, the lm_head excepted.
@@ -229,14 +272,13 @@ class PackedLinears:
         return forwards, graph_forwards
 
     @staticmethod
-    def _forward(module, packed, min_rows):
-        linear_pointwise = torch.ops.mkldnn._linear_pointwise
-        weight, bias = module.weight, module.bias
+    def _forward(module, packed: Packed, min_rows):
+        weight, bias, linear = module.weight, module.bias, packed.linear
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if few_rows(x, min_rows):
                 return torch.nn.functional.linear(x, weight, bias)
-            return linear_pointwise(x, packed, bias, "none", [], "")
+            return linear(x, bias)
 
         return forward
 
