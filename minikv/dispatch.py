@@ -156,15 +156,15 @@ class StepPlan:
     # (first token index, length) of each prefill chunk with nothing cached before it (start_pos 0):
     # it attends only to itself, on the step's own K/V, as transformers' prefill does (see prompt_attention)
     fresh: list[tuple[int, int]] = field(default_factory=list)
-    fresh_backend: AttentionBackend = GATHER  # CPU_KERNEL: the C++ kernel runs them; else PyTorch's SDPA
+    fresh_backend: AttentionBackend = GATHER  # the runner's backend: CPU_KERNEL runs them in C++, any other SDPA
 
 
 def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                      backend: AttentionBackend = GATHER) -> torch.Tensor:
     """A prompt's first chunk attending causally to itself: query [1, H, T, D], key/value [1, KVH, T, D], as
-    the model passes them; returns [T, H, D]. The C++ kernel for ``CPU_KERNEL`` (``python -m minikv bench
-    ops`` times both against vLLM's), else PyTorch's SDPA (its flash kernel on the CPU, FlashAttention's on
-    a GPU), which is what transformers' own prefill runs."""
+    the model passes them; returns [T, H, D]. The C++ kernel where the runner's backend is ``CPU_KERNEL``
+    (``python -m minikv bench ops`` times both against vLLM's); under any other backend PyTorch's SDPA (its
+    flash kernel on the CPU, FlashAttention's on a GPU), which is what transformers' own prefill runs."""
     if backend == CPU_KERNEL:
         from kernels.paged_attention_cpu import prompt_attention as kernel
 

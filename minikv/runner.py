@@ -46,16 +46,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from minikv.blocks import blocks_for
-from minikv.dispatch import (
-    CPU_KERNEL,
-    GATHER,
-    AttnGroup,
-    SeqStep,
-    StepPlan,
-    choose_backend,
-    kernel_decode,
-    prompt_attention,
-)
+from minikv.dispatch import GATHER, AttnGroup, SeqStep, StepPlan, choose_backend, kernel_decode, prompt_attention
 from minikv.metrics import SPAN_ATTENTION, SPAN_EXECUTE, SPAN_PLAN, spanned
 from minikv.sizing import cache_shape, kv_bytes_per_block
 from minikv.speed.linears import PackedLinears
@@ -318,7 +309,7 @@ class ModelRunner:
     prompt's first chunk goes through its prompt kernel too (elsewhere through PyTorch's SDPA).
 
     The speed levers (``minikv.speed``), each the runner's own:
-    ``prepack_linears=None`` prepacks the linear weights for oneDNN on the CPU in fp32 (see
+    ``prepack_linears=None`` prepacks the linear weights for oneDNN and MKL on the CPU in fp32 (see
     :class:`PackedLinears`); ``False`` keeps eager ``F.linear``.
     ``compile=True`` runs every step of two tokens or more through ``torch.compile`` (see
     ``minikv.speed.compile``), compiling once here: one to five minutes of start-up on two busy cores for a
@@ -447,7 +438,7 @@ class ModelRunner:
                 groups.append(_build_group([prefill[i] for i in part], [prefill_at[i] for i in part],
                                            self.block_size, dev, self.kv_heads, g, False, len(ids)))
         plan = StepPlan(self.k_stores, self.v_stores, torch.tensor(slots, device=dev), groups, kernel_groups, len(ids),
-                        fresh, CPU_KERNEL if self.attn_backend == CPU_KERNEL else GATHER)
+                        fresh, self.attn_backend)
         return (plan, torch.tensor([ids], device=dev), torch.tensor([positions], device=dev),
                 torch.tensor(logit_rows, device=dev))
 
