@@ -123,12 +123,14 @@ def cmd_claims(args) -> int:
 
 def cmd_exercises(args) -> int:
     from minikv.grading import generate_exercises
+    from minikv.lessons.build import generate_lessons
 
-    stale = generate_exercises(check=args.check)
+    stale = generate_exercises(check=args.check) + generate_lessons(check=args.check)
     for path in stale:
         print(("out of date: " if args.check else "wrote ") + str(path))
     if args.check and stale:
-        print("exercises/ is out of date with solutions/: run `make exercises`")
+        print("exercises/ or a lesson is out of date with its source (solutions/, notebooks/answers/): "
+              "run `make exercises`")
         return 1
     return 0
 
@@ -188,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  "wobble_evictions)")
     p.set_defaults(fn=cmd_claims)
 
-    p = sub.add_parser("exercises", help="regenerate exercises/ from solutions/ (--check: only report)")
+    p = sub.add_parser("exercises", help="regenerate exercises/ from solutions/ and the lessons in notebooks/ from "
+                                         "notebooks/answers/ (--check: only report)")
     p.add_argument("--check", action="store_true")
     p.set_defaults(fn=cmd_exercises)
 

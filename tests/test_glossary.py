@@ -64,13 +64,15 @@ def glossary_links() -> list[tuple[str, str]]:
     solutions, exercises) and from the glossary's own index and cross-references."""
     links = []
     for folder in NOTEBOOK_DIRS:
-        for path in sorted((ROOT / folder).glob("*.ipynb")):
+        for path in sorted((ROOT / folder).rglob("*.ipynb")):  # lessons, their answers, deep dives
+            if ".ipynb_checkpoints" in path.parts:
+                continue
             cells = json.loads(path.read_text())["cells"]
             for i, cell in enumerate(cells):
                 if cell["cell_type"] != "markdown":
                     continue
                 for target, fragment in LINK.findall("".join(cell["source"])):
-                    where = f"{folder}/{path.name} cell {i}"
+                    where = f"{path.relative_to(ROOT)} cell {i}"
                     assert (path.parent / target).resolve() == GLOSSARY, f"{where}: {target} is not the glossary"
                     links.append((where, fragment))
     for fragment in re.findall(r"\]\(#([^)\s]+)\)", GLOSSARY.read_text()):

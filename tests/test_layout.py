@@ -16,7 +16,7 @@ TOO_LONG_FOR_NOW: set[str] = set()
 STAGE_MODULES = {"sizing", "contiguous", "blocks", "paged", "attention", "dispatch", "prefix", "sequence",
                  "sampling", "detokenizer", "scheduler", "runner", "engine", "metrics", "models", "demo",
                  "validation", "inputs", "outputs", "config"}
-SUBPACKAGES = {"bench", "grading", "sim", "viz", "server", "speed"}
+SUBPACKAGES = {"bench", "grading", "sim", "viz", "server", "speed", "lessons"}
 
 
 def module_files() -> dict[str, Path]:

@@ -13,11 +13,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_CODE_LINE = 120
-NOTEBOOKS = [path for folder in ("notebooks", "solutions", "exercises")
-             for path in sorted((ROOT / folder).glob("*.ipynb"))]
+NOTEBOOKS = [path for folder in ("notebooks", "solutions", "exercises")  # lessons, answers and deep dives too
+             for path in sorted((ROOT / folder).rglob("*.ipynb")) if ".ipynb_checkpoints" not in path.parts]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_code_lines_fit_the_notebook_width(path):
     long = []
     for i, cell in enumerate(json.loads(path.read_text())["cells"]):
