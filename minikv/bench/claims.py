@@ -1,7 +1,7 @@
 """`python -m minikv claims`: every claim the course checks, the published figure, ours, and how to see it.
 
-The claims come from the two seed essays (the KV cache as a working set, and as an allocator) and from
-the course's contract (``COURSE.md`` §6, the PagedAttention paper and vLLM). Each row is measured by the
+The claims are common rules of thumb about serving (said as such: they have no one public source) and
+published figures (the PagedAttention paper, Kwon et al., SOSP 2023, and vLLM's). Each row is measured by the
 same code a benchmark runs, so the figure printed here is the figure that command prints:
 
 * cheap rows are measured live, every time (stage 1's arithmetic, the memory simulator, the sharing
@@ -49,13 +49,14 @@ def _sizing_claims() -> list[Claim]:
     per_token = kv_bytes_per_token(llama7)
     two_k = 2000 * per_token
     rows = [Claim("kv_per_token_7b", "a 7B model's KV cache is about half a megabyte per token; 2,000 tokens "
-                  "about a gigabyte", "seed 000", "~0.5 MB/token; 2,000 tokens ~1 GB",
+                  "about a gigabyte", "a common rule of thumb", "~0.5 MB/token; 2,000 tokens ~1 GB",
                   f"{fmt_bytes(per_token)}/token (Llama-2-7B, fp16); 2,000 tokens = {two_k / 1e9:.2f} GB",
                   "reproduced", "python -m minikv size llama-2-7b --context 2000", "01_bytes", per_token)]
     llama3 = model_spec("llama-3-8b")
     long_kv = 131072 * kv_bytes_per_token(llama3)
     weights = weight_bytes(llama3.num_params)
-    rows.append(Claim("cache_dwarfs_weights", "for a long-context model the cache dwarfs the weights", "seed 004",
+    rows.append(Claim("cache_dwarfs_weights", "for a long-context model the cache dwarfs the weights",
+                      "a common rule of thumb",
                       "(qualitative)", f"one 128k-token conversation on Llama-3-8B holds {fmt_bytes(long_kv)} of KV, "
                       f"{long_kv / weights:.2f}x its {fmt_bytes(weights)} of weights; "
                       f"four such hold {4 * long_kv / weights:.1f}x",
@@ -63,8 +64,9 @@ def _sizing_claims() -> list[Claim]:
                       long_kv / weights))
     short, long = (max_sequences(llama3, "H100", n) for n in (2048, 32768))
     rows.append(Claim("long_context_tenants", "long contexts are expensive because they are large tenants",
-                      "seed 000", "(qualitative)", f"an H100 holds {short} Llama-3-8B conversations of 2,048 tokens "
-                      f"but {long} of 32,768: {short / max(long, 1):.0f}x fewer tenants, so each pays that much more",
+                      "a common rule of thumb", "(qualitative)",
+                      f"an H100 holds {short} Llama-3-8B conversations of 2,048 tokens but {long} of 32,768: "
+                      f"{short / max(long, 1):.0f}x fewer tenants, so each pays that much more",
                       "reproduced", "python -m minikv size llama-3-8b --context 32768 --gpu H100", "01_bytes",
                       short / max(long, 1)))
     # Decode is bandwidth-bound: a step reads all weights once, plus every tenant's K/V.
@@ -73,9 +75,10 @@ def _sizing_claims() -> list[Claim]:
     one = weights + context * per_token
     many = weights + batch * context * per_token
     speedup = batch * one / many
-    rows.append(Claim("batch_is_throughput", "batch size is throughput, almost linearly", "seed 000",
+    rows.append(Claim("batch_is_throughput", "batch size is throughput, almost linearly",
+                      "a common rule of thumb",
                       f"{batch} conversations ~ {batch}x", f"projected from stage 1's bytes (bandwidth-bound decode, "
-                      f"seed's numbers: 7B, {batch} x {context:,} tokens): a step reads "
+                      f"the rule's own numbers: 7B, {batch} x {context:,} tokens): a step reads "
                       f"{fmt_bytes(weights)} of weights "
                       f"+ {fmt_bytes(batch * context * per_token)} of KV, so {batch} tenants give {speedup:.1f}x the "
                       "tokens/s of one, not 32x: batching shares the weights, never the KV reads",
@@ -94,14 +97,15 @@ def _memory_claims() -> list[Claim]:
     lo, hi = 0.204, 0.382
     return [
         Claim("prior_utilization", "prior systems keep only 20.4-38.2% of KV memory holding tokens (60-80% waste)",
-              "seed 000; PagedAttention paper (SOSP 2023)", "20.4%-38.2%",
+              "PagedAttention paper (Kwon et al., SOSP 2023)", "20.4%-38.2%",
               f"{contiguous:.1%} with max-length slabs (ShareGPT-shaped trace, OPT-13B on 12 GiB of KV)",
               "reproduced" if lo <= contiguous <= hi else "differs", "python -m minikv bench memory",
               "02_contiguous", contiguous),
         Claim("paged_waste", "with paging less than 4% is wasted, only in each sequence's last block", "vLLM",
               "< 4% (~96% used)", f"{1 - paged:.1%} wasted ({paged:.1%} used), same trace and budget",
               "reproduced" if paged > 0.96 else "differs", "python -m minikv bench memory", "03_paged", paged),
-        Claim("paging_throughput", "paging multiplies throughput by 2-4x on the same hardware", "seed 000; vLLM",
+        Claim("paging_throughput", "paging multiplies throughput by 2-4x on the same hardware",
+              "vLLM (Kwon et al., SOSP 2023)",
               "2-4x", f"{concurrency:.1f}x the concurrent sequences; {throughput:.1f}x the tokens/s in the simulator "
               "with prefill, recompute and slab copies charged (A100 model of stage 2)",
               "reproduced" if 2 <= throughput <= 4 else "near", "python -m minikv bench memory", "03_paged",
@@ -126,7 +130,8 @@ def _prefix_claims() -> list[Claim]:
         Claim("beam_search_saving", "beams share their common history", "vLLM paper, Fig. 15",
               f"{blo:.1%}-{bhi:.1%} saved (Alpaca, width 2-6)", f"{beam:.1%} at width 4 (Alpaca-shaped)",
               verdict(beam, blo, bhi), "python -m minikv bench prefix", "05_prefix_sharing", beam),
-        Claim("shared_walls", "prompt caching discounts are shared walls", "seed 000", "(qualitative)",
+        Claim("shared_walls", "prompt caching discounts are shared walls",
+              "a common rule of thumb", "(qualitative)",
               f"{r['system_prompt_prefill_skipped']:.1%} of prompt tokens skipped and "
               f"{r['system_prompt_memory_saved']:.1%} of KV memory saved when 100 requests share a 1,000-token "
               "system prompt", "reproduced", "python -m minikv bench prefix", "05_prefix_sharing",
@@ -184,7 +189,7 @@ SLOW = {
         _measure_engine),
     "wobble_evictions": (
         Claim("wobble_evictions", "latency wobbles under load are often evictions: someone's cache got reclaimed "
-              "and must be recomputed", "seed 000", "(qualitative)", "", "",
+              "and must be recomputed", "a common rule of thumb", "(qualitative)", "", "",
               "python -m minikv " + " ".join(WOBBLE_ARGS[:-1]), "07_landlord"),
         _measure_wobble),
 }
