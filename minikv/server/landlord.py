@@ -1,11 +1,11 @@
 """The landlord's window: the KV pool drawn live in a browser, fed by the engine (stage 7).
 
-The seed ends on three questions for the landlord: how big are the tenants, how full is the
-building, who is being evicted? vLLM's gauges answer them in aggregate (KV usage %, running,
+Lesson 07 asks the landlord three questions: how big are the tenants, how full is the building,
+who is being preempted? vLLM's gauges answer them in aggregate (KV usage %, running,
 waiting, preemptions). This page answers them block by block: one cell per block, coloured by
 the request that holds it, shared blocks marked with their reference count, free blocks that
-still hold a cached prefix shaded apart from truly free ones, the waiting line at the door, and
-each eviction as it happens.
+still hold a cached prefix (evictable) shaded apart from truly free ones, the waiting line at the
+door, and each preemption as it happens.
 
 How it is fed, and why it cannot slow the engine:
 
@@ -17,7 +17,7 @@ How it is fed, and why it cannot slow the engine:
   own server-sent-event stream that wakes every ``min_interval`` and sends the slot if it changed.
   A slow page therefore skips snapshots; nothing queues up and the engine never waits for it;
 * the log travels inside every snapshot (the last ``log_size`` preemptions, numbered), so a page
-  that skipped a snapshot still sees every recent eviction.
+  that skipped a snapshot still sees every recent preemption.
 
 ``/landlord`` serves the page (``landlord.html`` beside this file, one self-contained file: no
 build step, no CDN), ``/landlord/events`` the stream, ``/landlord/snapshot`` one snapshot as JSON

@@ -19,7 +19,7 @@ from minikv.viz.style import MAX_WIDTH_IN, axes, seq_color
 def landlord_figure(snap: dict, *, cols: int | None = None, ax=None, title: str = "") -> Figure:
     """The pool block by block as the page draws it: a held block in its tenant's colour (a shared one
     outlined, with its reference count), an evictable cached block grey and dotted, a free block blank;
-    the counts and the last evictions underneath."""
+    the counts and the last preemptions underneath."""
     n = snap["num_blocks"]
     cols = cols or min(n, 32)
     rows = math.ceil(n / cols)
@@ -51,8 +51,8 @@ def landlord_figure(snap: dict, *, cols: int | None = None, ax=None, title: str 
                 Patch(facecolor=FREE_BLOCK, edgecolor="#cccccc", label="free")]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=3, fontsize=7.5, frameon=False)
     last = snap["preemptions"][-3:]
-    evicted = "; ".join(f"#{p['n']} {p['request'][-10:]}: {p['blocks']} blocks, {p['mode']}" for p in last)
+    preempted = "; ".join(f"#{p['n']} {p['request'][-10:]}: {p['blocks']} blocks, {p['mode']}" for p in last)
     ax.set_title(title or f"step {snap['step']}: {c['running']} running, {c['waiting']} at the door, "
-                 f"{c['blocks_used']} of {n} blocks held, {c['blocks_cached']} cached; {c['preemptions']} evictions"
-                 + (f"\nlast: {evicted}" if evicted else ""), fontsize=8.5)
+                 f"{c['blocks_used']} of {n} blocks held, {c['blocks_cached']} cached; {c['preemptions']} preemptions"
+                 + (f"\nlast preempted: {preempted}" if preempted else ""), fontsize=8.5)
     return fig
