@@ -29,7 +29,7 @@ import torch
 
 from minikv.blocks import blocks_for
 from minikv.config import EngineConfig, parse_bytes
-from minikv.inputs import EngineLimits, InputProcessor
+from minikv.inputs import EngineLimits, InputProcessor, blocks_at_most
 from minikv.metrics import (
     SPAN_SAMPLE,
     SPAN_STEP,
@@ -38,6 +38,7 @@ from minikv.metrics import (
     PoolView,
     Preemption,
     RequestMetrics,
+    StepOutputs,
     StepStats,
     Tenant,
     span,
@@ -229,8 +230,8 @@ class LLMEngine:
         sched, bm = self.scheduler, self.bm
         kept = self.step_stats
         steps = kept if history is None else kept[max(0, len(kept) - history):]
-        reserved = sum(blocks_for(min(len(r.prompt_token_ids) + r.params.max_tokens - 1, self.max_model_len),
-                                  self.block_size) * r.params.n for r in self.requests.values())
+        reserved = sum(blocks_at_most(len(r.prompt_token_ids), r.params.max_tokens, self.block_size,
+                                      self.max_model_len, n=r.params.n) for r in self.requests.values())
         free = bm.num_free_blocks
         return EngineStats(
             running=len(sched.running), waiting=len(sched.waiting), swapped=len(sched.swapped),
@@ -241,19 +242,21 @@ class LLMEngine:
             prefix_evictions=bm.stats.evictions, steps=tuple(steps))
 
     # -- one step ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> execute -> postprocess. Returns the outputs that changed
-        (a new token, a finish, an abort)."""
+    def step(self) -> StepOutputs:
+        """One iteration: schedule -> execute -> postprocess. Returns the outputs that changed (a new token,
+        a finish, an abort), as a list carrying what the step did: ``.stats`` (None if it ran nothing) and
+        ``.preemptions``."""
         with span(SPAN_STEP):
             t0 = time.perf_counter()
             changed, self._aborted = self._aborted, []
             batch = self._schedule()
             self._preemptions = batch.preemptions
-            if batch.scheduled:
-                t1 = time.perf_counter()
-                logits = self._execute(batch)
-                changed += self._postprocess(batch, logits, t0, time.perf_counter() - t1)
-            return changed
+            if not batch.scheduled:
+                return StepOutputs(changed)
+            t1 = time.perf_counter()
+            logits = self._execute(batch)
+            changed += self._postprocess(batch, logits, t0, time.perf_counter() - t1)
+            return StepOutputs(changed, self.step_stats[-1], batch.preemptions)
 
     def _schedule(self) -> SchedulerOutput:
         """Who computes which tokens this step, into which slots (blocks are allocated here)."""

@@ -27,13 +27,21 @@ from minikv.sampling import SamplingParams
 from minikv.validation import InvalidArgument, InvalidArgumentType
 
 
-def blocks_at_most(prompt_tokens: int, max_tokens: int, block_size: int, max_model_len: int | None = None) -> int:
-    """The most KV blocks one sequence of a request ever holds: every token but the last one sampled
-    has its K/V cached (the last is sampled, never fed back), and nothing past the context."""
+def longest_sequence(prompt_tokens: int, max_tokens: int, max_model_len: int | None = None) -> int:
+    """The most tokens one sequence ever has in the KV cache: every token but the last one sampled (the
+    last is sampled, never fed back), and nothing past the context."""
     longest = prompt_tokens + max_tokens - 1
-    if max_model_len is not None:
-        longest = min(longest, max_model_len)
-    return blocks_for(longest, block_size)
+    return longest if max_model_len is None else min(longest, max_model_len)
+
+
+def blocks_at_most(prompt_tokens: int, max_tokens: int, block_size: int, max_model_len: int | None = None,
+                   n: int = 1) -> int:
+    """The most KV blocks a request of ``n`` samples ever holds: each sample's longest sequence, in blocks.
+
+    The one budget rule: the engine's reserved total (`LLMEngine.stats`), the input checks and an admission
+    policy's ``request["blocks_at_most"]`` all come from here, in this one unit. (Samples share their
+    prompt's full blocks, so this is an upper bound for n > 1, the one admission can count on.)"""
+    return n * blocks_for(longest_sequence(prompt_tokens, max_tokens, max_model_len), block_size)
 
 
 @dataclass(frozen=True)
@@ -148,13 +156,14 @@ class InputProcessor:
                 f"the prompt has {n_prompt} tokens but the whole KV cache pool holds {pool_tokens} "
                 f"({lim.num_blocks} blocks of {lim.block_size}); shorten the prompt or give the cache more memory "
                 "(num_blocks / kv_cache_memory; --num-blocks / --kv-cache-memory)"))
-        need = blocks_at_most(n_prompt, params.max_tokens, lim.block_size, lim.max_model_len)
+        # One sample must fit alone; a request's other samples may wait for it (preemption serializes them).
+        need = blocks_at_most(n_prompt, params.max_tokens, lim.block_size, lim.max_model_len, n=1)
         if need > lim.num_blocks:
             raise InvalidArgument("max_tokens", params.max_tokens, message=(
                 f"this request cannot fit even alone: {n_prompt} prompt + {params.max_tokens} max_tokens need up "
                 f"to {need} blocks of {lim.block_size} tokens, but the pool has {lim.num_blocks}; give the cache "
                 "more memory or lower max_tokens"))
-        longest = min(n_prompt + params.max_tokens - 1, lim.max_model_len)
+        longest = longest_sequence(n_prompt, params.max_tokens, lim.max_model_len)
         if not lim.enable_chunked_prefill and longest > lim.max_num_batched_tokens:
             raise InvalidArgument("max_tokens", params.max_tokens, message=(
                 f"without chunked prefill a sequence of up to {longest} tokens must fit in one step, but "

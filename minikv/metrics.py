@@ -108,6 +108,21 @@ class StepStats:
         return self.prefill_tokens + self.decode_tokens
 
 
+class StepOutputs(list):
+    """What one ``LLMEngine.step()`` did: the `RequestOutput`s that changed (a list, as vLLM's step returns),
+    and the step's own record: ``stats`` (its `StepStats`, None when nothing was scheduled: an idle call,
+    or one that only returned aborts) and ``preemptions`` (the `Preemption`s it decided, usually none)."""
+
+    def __init__(self, outputs=(), stats: StepStats | None = None, preemptions: tuple = ()):
+        super().__init__(outputs)
+        self.stats, self.preemptions = stats, tuple(preemptions)
+
+    @property
+    def ran(self) -> bool:
+        """Whether the step computed anything (a forward ran)."""
+        return self.stats is not None
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of an engine (``LLMEngine.stats()``): plain numbers, taken between steps."""

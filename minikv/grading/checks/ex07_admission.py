@@ -108,7 +108,6 @@ def serve_in_process(policy=None, max_waiting: int = 8, num_blocks: int = 24, ma
     metrics = ServerMetrics("tiny")
     loop = EngineLoop(engine, metrics, policy)
     state = ServerState(loop, tok, "tiny", max_waiting=max_waiting, metrics=metrics)
-    metrics.after_step(engine, live=False, stepped=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -76,7 +76,7 @@ def simulate(decide, sc: dict, max_steps: int = 20000) -> dict:
     def state() -> dict:
         started = sum(1 for r in recs.values() if r["end"] is None and r["times"])
         in_engine = len(eng.requests) - started
-        return engine_state(eng, now, len(held), len(held) + max(in_engine, 0), step_s)
+        return engine_state(eng.stats(history=0), now, len(held), len(held) + max(in_engine, 0), step_s)
 
     def ask(rid: str, is_held: bool) -> str:
         r = recs[rid]
