@@ -267,3 +267,31 @@ def test_prompt_token_ids_may_be_a_tensor():
 def test_a_huge_value_is_shown_short():
     with pytest.raises(InvalidArgumentType, match=r"\.\.\. \(a list\)$"):
         SamplingParams(stop=list(range(100)))
+
+
+def test_one_budget_rule_a_policys_request_and_the_reserved_total_agree_for_n_3():
+    """A request of n = 3 samples: the figure an admission policy is shown for it (request_info) is what the
+    engine then counts in its reserved total (stats), and the gate's view after admitting it says the same."""
+    from minikv.engine import LLMEngine
+    from minikv.inputs import blocks_at_most
+    from minikv.server.admission import Gate
+
+    eng = LLMEngine(MODEL, None, num_blocks=64, block_size=4, verbose=False, runner=FakeRunner(64, 4, 256))
+    params = SamplingParams(n=3, max_tokens=9, temperature=1.0, seed=0)
+    seen = []
+
+    class Record:
+        def decide(self, request, state):
+            seen.append((request, dict(state)))
+            return "queue" if not request["held"] else "admit"
+
+    gate = Gate(Record(), eng.block_size, eng.max_model_len)
+    gate.snapshot(eng.stats(history=0), 0, 0.0)
+    assert gate.on_arrival(10, params, queued=0)[0] == "queue"
+    held = type("Add", (), {"request_id": "r", "prompt_tokens": 10, "params": params, "arrival": 0.0})()
+    gate.held.append(held)
+    gate.release(eng.stats(history=0), 1, 0.0, lambda add: eng.add_request("r", list(range(1, 11)), params),
+                 lambda add, why: None)
+    request = seen[0][0]
+    assert request["n"] == 3 and request["blocks_at_most"] == 3 * 5 == blocks_at_most(10, 9, 4, n=3)
+    assert eng.stats().reserved_blocks == request["blocks_at_most"] == gate.view["reserved_blocks"]
