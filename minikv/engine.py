@@ -29,7 +29,7 @@ import torch
 
 from minikv.blocks import blocks_for
 from minikv.config import EngineConfig, parse_bytes
-from minikv.inputs import EngineLimits, InputProcessor, blocks_at_most
+from minikv.inputs import InputProcessor, blocks_at_most
 from minikv.metrics import (
     SPAN_SAMPLE,
     SPAN_STEP,
@@ -45,10 +45,10 @@ from minikv.metrics import (
     summarize,
 )
 from minikv.outputs import OutputProcessor, RequestOutput
-from minikv.prefix import BlockManager, SwapSpace
+from minikv.prefix import BlockManager
 from minikv.runner import ModelRunner, Runner, SeqStep
 from minikv.sampling import SamplingParams, make_generator, sample
-from minikv.scheduler import BlockOp, CopyBlocks, Scheduler, SchedulerConfig, SchedulerOutput, SwapOut
+from minikv.scheduler import BlockOp, CopyBlocks, Scheduler, SchedulerOutput, SwapOut, SwapSpace
 from minikv.sequence import Request, Sequence
 from minikv.sizing import fmt_bytes, kv_bytes_per_block
 from minikv.validation import (
@@ -142,38 +142,24 @@ class LLMEngine:
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
         self.vocab_size = model_config.vocab_size
 
-        max_num_batched_tokens = c.max_num_batched_tokens
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if c.enable_chunked_prefill else max(2048, self.max_model_len)
-
         self.num_blocks, self.bytes_per_block = kv_pool_blocks(
             model, c.block_size, c.num_blocks, c.kv_cache_memory, c.max_num_seqs, self.max_model_len)
         self.block_size = c.block_size
-        swap_blocks = 0
-        if c.preemption_mode == "swap":
-            swap_blocks = (self.num_blocks if c.swap_space is None
-                           else parse_bytes(c.swap_space, "swap_space") // self.bytes_per_block)
         if c.verbose:
             print(f"minikv: KV cache pool of {self.num_blocks} blocks x {c.block_size} tokens "
                   f"= {self.num_blocks * c.block_size} tokens, {fmt_bytes(self.num_blocks * self.bytes_per_block)}")
 
         self.bm = BlockManager(self.num_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching)
-        self.swap = SwapSpace(swap_blocks)   # where swapped-out K/V waits, beside the pool
+        scheduler_config = c.scheduler_config(self.num_blocks, self.bytes_per_block, self.max_model_len)
+        self.swap = SwapSpace(scheduler_config.swap_blocks)   # where swapped-out K/V waits, beside the pool
         self.runner = runner if runner is not None else ModelRunner(
             model, self.num_blocks, c.block_size, prepack_linears=c.prepack_linears, cpu_kernel=c.cpu_kernel,
             compile=c.compile, decode_graphs=c.decode_graphs, max_num_seqs=c.max_num_seqs)
         self.output_processor = OutputProcessor(tokenizer)
-        self.input_processor = InputProcessor(tokenizer, EngineLimits(
-            vocab_size=self.vocab_size, max_model_len=self.max_model_len, num_blocks=self.num_blocks,
-            block_size=c.block_size, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=c.enable_chunked_prefill))
+        self.input_processor = InputProcessor(tokenizer, c.limits(self.vocab_size, self.max_model_len,
+                                                                  self.num_blocks))
         self.device = next(model.parameters()).device
-        self.scheduler = scheduler_cls(SchedulerConfig(
-            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=c.enable_chunked_prefill, preemption_mode=c.preemption_mode,
-            watermark_blocks=max(1, int(c.watermark * self.num_blocks)) if c.watermark > 0 else 0,
-            swap_blocks=swap_blocks, long_prefill_token_threshold=c.long_prefill_token_threshold),
-            self.bm, self.swap)
+        self.scheduler = scheduler_cls(scheduler_config, self.bm, self.swap)
         self.requests: dict[str, Request] = {}
         self.step_stats: list[StepStats] = []   # the bounded step history (see _record); read it through stats()
         self._num_steps = 0

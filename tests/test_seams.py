@@ -295,3 +295,29 @@ def test_one_budget_rule_a_policys_request_and_the_reserved_total_agree_for_n_3(
     request = seen[0][0]
     assert request["n"] == 3 and request["blocks_at_most"] == 3 * 5 == blocks_at_most(10, 9, 4, n=3)
     assert eng.stats().reserved_blocks == request["blocks_at_most"] == gate.view["reserved_blocks"]
+
+
+def test_every_engine_setting_has_a_flag_or_says_why_not():
+    """One settings object: each `EngineConfig` field carries its flag's help, or a stated reason for none."""
+    from dataclasses import fields
+
+    from minikv.config import EngineConfig
+
+    for f in fields(EngineConfig):
+        help_, why = f.metadata.get("help"), f.metadata.get("no_flag")
+        assert help_ or why, f"EngineConfig.{f.name} has neither a flag's help nor a reason for having no flag"
+
+
+def test_the_scheduler_and_input_views_repeat_no_default():
+    """The scheduler's and the input processor's views are derived from EngineConfig: no defaults of their own,
+    and read-only."""
+    import dataclasses
+
+    from minikv.inputs import EngineLimits
+    from minikv.scheduler import SchedulerConfig
+
+    for view in (SchedulerConfig, EngineLimits):
+        assert view.__dataclass_params__.frozen, f"{view.__name__} can be changed after it is built"
+        defaults = [f.name for f in dataclasses.fields(view)
+                    if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
+        assert not defaults, f"{view.__name__} repeats defaults of EngineConfig: {defaults}"

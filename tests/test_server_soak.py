@@ -146,8 +146,8 @@ def test_an_internal_error_answers_500_and_closes_the_connection_so_no_next_requ
     from types import SimpleNamespace
 
     from minikv.inputs import EngineLimits, InputProcessor
+    from minikv.models import byte_tokenizer
     from minikv.server.app import ServerState, create_app
-    from minikv.server.tokenizer import byte_tokenizer
 
     def broken_submit(*args, **kwargs):
         raise RuntimeError("a bug")

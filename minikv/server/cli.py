@@ -110,7 +110,7 @@ def run_server(args) -> int:
             torch.set_num_threads(args.threads)
         model, tokenizer = load_model(args.model)
         if tokenizer is None and ALIASES.get(args.model, args.model) == TINY:
-            from minikv.server.tokenizer import byte_tokenizer
+            from minikv.models import byte_tokenizer
             tokenizer = byte_tokenizer()   # so the tiny test model reads text and chat too
         chosen = config
         if next(model.parameters()).device.type == "cpu" and config.enable_chunked_prefill:   # interactive defaults

@@ -97,10 +97,10 @@ def serve_in_process(policy=None, max_waiting: int = 8, num_blocks: int = 24, ma
     import uvicorn
 
     from minikv.engine import LLMEngine
+    from minikv.models import byte_tokenizer
     from minikv.server.app import ServerState, create_app
     from minikv.server.engine_loop import EngineLoop
     from minikv.server.metrics import ServerMetrics
-    from minikv.server.tokenizer import byte_tokenizer
 
     tok = byte_tokenizer()
     engine = LLMEngine(_tiny_model(), tok, block_size=8, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
