@@ -46,11 +46,12 @@ from minikv.metrics import (
 )
 from minikv.outputs import OutputProcessor, RequestOutput
 from minikv.prefix import BlockManager
-from minikv.runner import ModelRunner, Runner, SeqStep
+from minikv.runner import ModelRunner, Runner
 from minikv.sampling import SamplingParams, make_generator, sample
-from minikv.scheduler import BlockOp, CopyBlocks, Scheduler, SchedulerOutput, SwapOut, SwapSpace
+from minikv.scheduler import BlockOp, CopyBlocks, Scheduler, SchedulerOutput, SchedulerStalled, SwapOut, SwapSpace
 from minikv.sequence import Request, Sequence
 from minikv.sizing import fmt_bytes, kv_bytes_per_block
+from minikv.step import SeqStep
 from minikv.validation import (
     InvalidArgument,
     InvalidArgumentType,
@@ -248,7 +249,7 @@ class LLMEngine:
         """Who computes which tokens this step, into which slots (blocks are allocated here)."""
         batch = self.scheduler.schedule()
         if not batch.scheduled and self.scheduler.has_unfinished():
-            raise RuntimeError("the scheduler could not schedule anything although requests are pending "
+            raise SchedulerStalled("the scheduler could not schedule anything although requests are pending "
                                f"(waiting {len(self.scheduler.waiting)}, swapped {len(self.scheduler.swapped)}, "
                                f"free blocks {self.bm.num_free_blocks}): this is a bug in minikv")
         return batch
@@ -342,7 +343,7 @@ class LLMEngine:
                   "blocks_used": used, "blocks_cached": sum(cached), "blocks_free": self.num_blocks - used,
                   "preemptions": sched.num_preemptions}
         return PoolView(len(self.step_stats), self.num_blocks, self.block_size, owner, refcount, cached, tenants,
-                        [s.request.request_id for s in sched.waiting], counts)
+                        [s.request.request_id for s in sched.waiting], counts, getattr(self.runner, "pool_bytes", None))
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """After its prompt: the request's other n-1 samples share every block of `seq` (copy-on-write)."""

@@ -64,7 +64,10 @@ class Prompt:
 
 
 class InputProcessor:
-    """Prompts in, checked `Prompt`s out (see the module docstring for the rules)."""
+    """Prompts in, checked `Prompt`s out (see the module docstring for the rules).
+
+    Stateless: it holds the tokenizer and the frozen `EngineLimits`, and changes neither, so it is safe to
+    call from any thread (the server's handlers call it on the event loop while the engine thread steps)."""
 
     def __init__(self, tokenizer, limits: EngineLimits):
         self.tokenizer, self.limits = tokenizer, limits
@@ -92,17 +95,21 @@ class InputProcessor:
             return self._checked(Prompt(None, list(prompt)), prompt, param)
         raise InvalidArgumentType(param, prompt, "a str, a list of token ids or {'prompt_token_ids': [...]}")
 
-    def chat(self, conversation: list[dict], **template_kwargs) -> Prompt:
-        """A conversation (a list of {"role", "content"}) through the tokenizer's chat template."""
+    def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """A conversation (a list of {"role", "content"}) as text, through the tokenizer's chat template."""
         if self.tokenizer is None:
             raise InvalidArgument("tokenizer", None, message="chat needs a tokenizer with a chat template: "
                                   "pass tokenizer=...")
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False,
-                                                      **template_kwargs)
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **template_kwargs)
         except Exception as err:  # a template may refuse a conversation (e.g. roles out of order)
             raise InvalidArgument("messages", conversation, message=f"the chat template refused these messages: "
                                   f"{err}") from None
+
+    def chat(self, conversation: list[dict], **template_kwargs) -> Prompt:
+        """A conversation through the chat template (`render_chat`), tokenized and checked."""
+        text = self.render_chat(conversation, **template_kwargs)
         # the template already wrote any special tokens it wants: do not add them again
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return self._checked(Prompt(text, ids), conversation, "messages")

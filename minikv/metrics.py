@@ -241,3 +241,4 @@ class PoolView:
     tenants: list[Tenant]
     waiting: list[str]           # request ids at the door, in the order they will be let in
     counts: dict
+    kv_bytes: int | None = None  # the pool's K and V tensors as allocated (None: a runner that holds none)

@@ -60,6 +60,11 @@ from minikv.metrics import Preemption
 from minikv.sequence import SeqStatus, Sequence
 
 
+class SchedulerStalled(RuntimeError):
+    """Requests are pending but the scheduler scheduled nothing: a policy that never admits anyone, or a
+    bug. (A type, so a caller can tell it from other failures without reading its message.)"""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The scheduler's read-only view of the engine's settings (`EngineConfig.scheduler_config` builds it,

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from minikv.blocks import blocks_for
-from minikv.runner import ModelRunner, SeqStep
+from minikv.runner import ModelRunner
 from minikv.sizing import kv_bytes_per_block
+from minikv.step import SeqStep
 
 VOCAB = 256
 

@@ -6,7 +6,8 @@ Two sides, and what crosses between them:
   nothing: it puts an `Add` on the *inbox* (a thread-safe `queue.Queue`) and returns an
   `asyncio.Queue`, the request's *outbox*, which the handler awaits. `abort()` puts an `Abort`
   on the inbox. Neither waits for the engine.
-* **The engine thread** owns the `LLMEngine`; nothing else touches it. The server builds the engine on
+* **The engine thread** owns the `LLMEngine`; nothing else touches it (the handlers use only its input
+  processor, `EngineLoop.inputs`, which is stateless and safe from any thread). The server builds the engine on
   that thread too (`EngineLoop.build`), so that it is the one thread of the process that runs torch (see
   "Why one thread runs torch" below). Each turn it drains the
   inbox (`add_request` / `abort_request`), runs one `engine.step()` if any request is live, and
@@ -153,6 +154,7 @@ class EngineLoop:
 
     def __init__(self, engine, metrics=None, policy=None, landlord=None):
         self.engine, self.metrics = engine, metrics
+        self.inputs = engine.input_processor    # stateless: the handlers may call it from the event loop
         self.landlord = landlord                # the live page's feed (minikv.server.landlord.Feed), if any
         # admission (minikv.server.admission): a policy decides admit / queue / refuse; None: --max-waiting only
         self.gate = Gate(policy, engine.block_size, engine.max_model_len) if policy is not None else None

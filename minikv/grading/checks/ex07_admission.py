@@ -167,7 +167,7 @@ def flood(policy, n: int = 24, max_tokens: int = 12) -> dict:
     with one_torch_thread(), serve_in_process(policy) as (url, engine):
         answers = in_a_fresh_loop(url)
         time.sleep(0.2)
-        in_use = engine.num_blocks - engine.bm.num_free_blocks
+        in_use = engine.stats(history=0).blocks_used
     kinds = [k for k, _ in answers]
     return {"ok": kinds.count("ok"), "refused": kinds.count("refused"), "lost": kinds.count("lost"),
             "blocks_in_use_after": in_use, "first_refusal": next((m for k, m in answers if k == "refused"), None),
