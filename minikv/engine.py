@@ -165,7 +165,7 @@ class LLMEngine:
         self.step_stats: list[StepStats] = []   # the bounded step history (see _record); read it through stats()
         self._num_steps = 0
         self._aborted: list[RequestOutput] = []
-        self._preemptions: list[Preemption] = []   # the last step's evictions, for the landlord's page
+        self._preemptions: list[Preemption] = []   # the last step's preemptions, for the landlord's page
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
@@ -321,7 +321,7 @@ class LLMEngine:
 
     # -- the landlord's view (read-only; stage 7's live page) ----------------------------------------
     def last_preemptions(self) -> list[Preemption]:
-        """The evictions the last step decided (empty in most steps)."""
+        """The preemptions the last step decided (empty in most steps)."""
         return list(self._preemptions)
 
     def pool_view(self) -> PoolView:

@@ -198,7 +198,7 @@ def occupancy(steps: list[StepStats]) -> dict[str, list]:
 # -- the landlord's view: who holds which block (stage 7's live page reads only this) ---------------
 @dataclass(frozen=True)
 class Preemption:
-    """One eviction, as the scheduler decided it: whose, how many blocks it gave back, and how."""
+    """One preemption, as the scheduler decided it: whose, how many blocks it gave back, and how."""
     time: float          # perf_counter when it was decided
     request_id: str
     seq_id: int

@@ -16,7 +16,7 @@ sequence next to the single decode token of another. Each step, under a token bu
    headroom lets the running sequences grow into new blocks without an immediate preemption.
 
 Steps 3 and 4 happen only in a step that preempted nobody: memory is short, and a victim let
-back in at once would only be evicted again. Of vLLM's schedulers, V1 has this rule for both (it
+back in at once would only be preempted again. Of vLLM's schedulers, V1 has this rule for both (it
 schedules no waiting request, new or preempted, in a step that preempted); V0's chunked-prefill
 scheduler held back only the swap-ins (step 3) after a preemption and admitted new prefills regardless.
 
@@ -169,7 +169,7 @@ class SchedulerOutput:
     scheduled: list[Scheduled] = field(default_factory=list)
     block_ops: list[BlockOp] = field(default_factory=list)   # to apply, in this order, before the forward
     preempted: list[Sequence] = field(default_factory=list)
-    preemptions: list[Preemption] = field(default_factory=list)  # the same evictions, as records for the page
+    preemptions: list[Preemption] = field(default_factory=list)  # the same preemptions, as records for the page
     prefill_tokens: int = 0
     decode_tokens: int = 0
 
@@ -367,7 +367,7 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, step: SchedulerStep) -> int:
         """Tokens of `seq` that can be scheduled now (<= n), preempting others (`choose_victim`) if needed."""
         while True:
-            fit = self._fit(seq, n)   # a prefill chunk shrinks to what fits rather than evict anyone
+            fit = self._fit(seq, n)   # a prefill chunk shrinks to what fits rather than preempt anyone
             if fit:
                 return fit
             victim = self.choose_victim(seq, step)
