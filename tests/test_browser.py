@@ -172,6 +172,10 @@ def shot(page, name: str, element=None):
     (element or page).screenshot(path=str(ARTIFACTS / f"{name}.png"))
 
 
+PROMPTS_JS = ("els => els.map(e => e.querySelector('.jp-InputPlaceholder') ? 'collapsed' "
+              ": (e.querySelector('.jp-InputPrompt')?.textContent ?? ''))")
+
+
 def open_and_run_all(lab, page, path: str):
     """Open a notebook, wait for its kernel, Run All, and wait until every code cell has run."""
     page.goto(lab.url(path))
@@ -185,12 +189,13 @@ def open_and_run_all(lab, page, path: str):
     start = time.monotonic()
     while True:
         time.sleep(1)
-        prompts = page.eval_on_selector_all(".jp-CodeCell .jp-InputPrompt", "els => els.map(e => e.textContent)")
+        # A cell whose input starts collapsed (a lesson's course versions) shows a placeholder, no prompt.
+        prompts = page.eval_on_selector_all(".jp-CodeCell", PROMPTS_JS)
         if lab.kernel_states(path) == ["idle"] and prompts and not any("*" in p for p in prompts):
             break
         assert time.monotonic() - start < RUN_TIMEOUT_S, f"{path}: Run All still running after {RUN_TIMEOUT_S} s"
     page.wait_for_timeout(1500)  # let the last outputs and widget views render
-    not_run = [i for i, p in enumerate(prompts) if not any(c.isdigit() for c in p)]
+    not_run = [i for i, p in enumerate(prompts) if p != "collapsed" and not any(c.isdigit() for c in p)]
     assert not not_run, f"{path}: code cells {not_run} did not run (an earlier cell stopped Run All?)"
     return time.monotonic() - start
 
@@ -303,3 +308,75 @@ def test_glossary_opens_rendered_and_its_index_jumps(lab, page):
     viewer.locator("a[href='#TTFT']:not(.jp-InternalAnchorLink)").first.click()  # the index's (not the heading's ¶)
     wait_until_term_at_top(viewer, "TTFT")
     shot(page, "glossary_index_jump")
+
+
+# ---- a new learner's walk through a lesson's your-turn cell ------------------------------------------------
+# Lessons 01 and 04, as a learner meets them: Run All (the shipped stubs: every checkpoint says "not implemented
+# yet" and the lesson goes on), then the first your-turn cell filled with a plausible mistake, its checkpoint run
+# and its one line read (❌, what came back and what was expected), then the cell filled with the course's answer
+# (from notebooks/answers/) and the checkpoint run again (✅). Screenshots of both in artifacts/browser/.
+WALKS = {  # lesson -> (a piece of the course's answer, the mistake a learner makes there, what the ❌ line says)
+    # query heads where the KV heads belong: Llama-3-8B's 8 KV heads counted as its 32 query heads
+    "01_bytes": ('config["num_key_value_heads"]', 'config["num_attention_heads"]', "returned 524288, expected 131072"),
+    # K's rows counted, V's forgotten: half the bytes a decode step reads
+    "04_triton_kernel": ("kv_bytes = 2 * context", "kv_bytes = context",
+                         "my_decode_attention_cost(4096) returned (8406020, 67108864), expected (16794628"),
+}
+
+
+def _your_turn(lesson: str) -> tuple[int, int, str]:
+    """(index of the first your-turn cell, index of its checkpoint, the course's answer for it)."""
+    cells = json.loads((ROOT / "notebooks" / "answers" / f"{lesson}.ipynb").read_text())["cells"]
+    turn = next(i for i, c in enumerate(cells) if "your-turn" in c.get("metadata", {}).get("tags", []))
+    check = next(i for i in range(turn + 1, len(cells)) if cells[i]["cell_type"] == "code")
+    answer = "".join(cells[turn]["source"])
+    answer = "\n".join(line for line in answer.splitlines() if line.strip() not in ("### BEGIN SOLUTION",
+                                                                                    "### END SOLUTION"))
+    return turn, check, answer
+
+
+def _fill_and_check(lab, page, path: str, turn: int, check: int, source: str) -> str:
+    """Replace cell `turn`'s text with `source` (as if typed: no auto-indent), run it and its checkpoint,
+    and return what the checkpoint printed."""
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    editor = cells.nth(turn).locator(".cm-content")
+    editor.scroll_into_view_if_needed()
+    editor.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.insert_text(source)
+    for i in (turn, check):
+        cells.nth(i).locator(".jp-InputPrompt").click()  # select the cell (command mode), then run it
+        before = cells.nth(i).locator(".jp-InputPrompt").inner_text()
+        page.keyboard.press("Control+Enter")
+        deadline = time.monotonic() + 120
+        while True:
+            time.sleep(0.3)
+            prompt = cells.nth(i).locator(".jp-InputPrompt").inner_text()
+            if "*" not in prompt and prompt != before and lab.kernel_states(path) == ["idle"]:
+                break
+            assert time.monotonic() < deadline, f"{path}: cell {i} did not finish within 120 s"
+    out = cells.nth(check).locator(".jp-OutputArea-output")
+    return "\n".join(out.all_text_contents()).strip()   # innerText is empty for a cell not laid out
+
+
+@pytest.mark.parametrize("lesson", list(WALKS))
+def test_a_learner_fills_a_your_turn_cell_wrongly_then_rightly(lab, page, lesson):
+    piece, mistake, named = WALKS[lesson]
+    path = f"notebooks/{lesson}.ipynb"
+    open_and_run_all(lab, page, path)
+    assert_no_errors(page, path)
+    turn, check, answer = _your_turn(lesson)
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    shipped = "\n".join(cells.nth(check).locator(".jp-OutputArea-output").all_text_contents()).strip()
+    assert shipped.startswith("⏳") and "not implemented yet" in shipped, f"{path}: the shipped checkpoint: {shipped}"
+    assert answer.count(piece) == 1, f"{lesson}: {piece!r} is not once in the course's answer"
+
+    wrong = _fill_and_check(lab, page, path, turn, check, answer.replace(piece, mistake))
+    shot(page, f"{lesson}_checkpoint_wrong")
+    assert wrong.startswith("❌") and len(wrong.splitlines()) == 1, f"{path}: after a wrong answer: {wrong}"
+    assert named in wrong and "Traceback" not in wrong, f"{path}: the ❌ line does not say {named!r}: {wrong}"
+
+    right = _fill_and_check(lab, page, path, turn, check, answer)
+    shot(page, f"{lesson}_checkpoint_right")
+    assert right.startswith("✅") and len(right.splitlines()) == 1, f"{path}: after the course's answer: {right}"
+    assert_no_errors(page, path)

@@ -159,7 +159,7 @@ def test_attack_is_refused(name, attack_runs):
     out = done.stdout
     assert done.returncode != 0, f"{name}: exit status 0\n{out}"
     assert "(100%)" not in out.splitlines()[-1], out
-    assert "score: 6/6" not in out.splitlines()[-1], out
+    assert "score: 100/100" not in out.splitlines()[-1], out
     verdicts = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert len(verdicts) == 6, out  # one verdict line per check, none forged
     # (with the honest conversations_that_fit, "weights that do not fit" may pass: its answer is 0)
@@ -204,11 +204,11 @@ def test_a_batch_of_honest_hostile_and_broken_submissions(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     rows = {Path(r["path"]).stem: r for r in csv.DictReader(book.open())}
     assert set(rows) == {"alice", "bob", "carol_exits", "dave_syntax", "erin"}
-    assert rows["alice"]["score"] == "6/6" and rows["alice"]["reason"] == ""
+    assert rows["alice"]["score"] == "100/100" and rows["alice"]["reason"] == ""
     assert all(v == "PASS" for k, v in rows["alice"].items() if k.startswith("01: "))
-    assert rows["bob"]["score"] == "0/6" and "not implemented yet" in rows["bob"]["reason"]
-    assert rows["carol_exits"]["score"] == "0/6" and "exited with status 0" in rows["carol_exits"]["reason"]
-    assert rows["dave_syntax"]["score"] != "6/6" and "SyntaxError" in rows["dave_syntax"]["reason"]
+    assert rows["bob"]["score"] == "0/100" and "not implemented yet" in rows["bob"]["reason"]
+    assert rows["carol_exits"]["score"] == "0/100" and "exited with status 0" in rows["carol_exits"]["reason"]
+    assert rows["dave_syntax"]["score"] != "100/100" and "SyntaxError" in rows["dave_syntax"]["reason"]
     assert rows["erin"]["score"] == "0/0" and "not gradable" in rows["erin"]["reason"]
     assert "1/5 submissions with full marks" in done.stdout
 
@@ -217,7 +217,7 @@ def test_json_gradebook(tmp_path):
     done, _ = grade_cli(SOLUTION, "--json", *BATCH_LIMITS, repo=copy_repo(tmp_path / "repo"))
     assert done.returncode == 0, done.stdout + done.stderr
     (row,) = json.loads(done.stdout)
-    assert row["score"] == "6/6" and row["percent"] == 100 and set(row["checks"].values()) == {"PASS"}
+    assert row["score"] == "100/100" and row["percent"] == 100 and set(row["checks"].values()) == {"PASS"}
 
 
 # ---- attacks on the grader's files and on the submissions after it ---------------------------------
@@ -317,7 +317,7 @@ def test_tampering_has_no_effect_on_the_next_submission(name, mode, tmp_path):
     assert "Traceback" not in out, out
     rows = {Path(r["path"]).stem: r for r in csv.DictReader((repo / "book.csv").open())}
     assert set(rows) == {"a_attacker", "b_next"}, rows
-    assert rows["a_attacker"]["score"] != "6/6", out
+    assert rows["a_attacker"]["score"] != "100/100", out
     changed = sorted(str(p.relative_to(repo)) for p, data in pristine.items() if p.read_bytes() != data)
     if changed:  # the defence that stood: the digest; the attacker has no score, the next is not graded
         assert "grader's files changed" in rows["a_attacker"]["reason"], out
@@ -325,9 +325,9 @@ def test_tampering_has_no_effect_on_the_next_submission(name, mode, tmp_path):
         assert rows["b_next"]["reason"].startswith("not graded") and "a_attacker" in rows["b_next"]["reason"], out
         assert all(c in rows["a_attacker"]["reason"] for c in changed), (changed, out)
     elif following == "exercise":
-        assert rows["b_next"]["score"] == "0/6" and "not implemented yet" in rows["b_next"]["reason"], out
+        assert rows["b_next"]["score"] == "0/100" and "not implemented yet" in rows["b_next"]["reason"], out
     else:
-        assert rows["b_next"]["score"] == "6/6" and rows["b_next"]["reason"] == "", out
+        assert rows["b_next"]["score"] == "100/100" and rows["b_next"]["reason"] == "", out
     if mode == "landlock" and _has_landlock(done.stdout + out):
         assert not changed, f"Landlock let the submission write {changed}"
     # Which defence held, for a person reading `pytest -rP` (the closing notes quote it per mode).
@@ -372,10 +372,10 @@ def test_a_batch_of_honest_tampering_honest(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode != 0, out
     rows = {Path(r["path"]).stem: r for r in csv.DictReader((repo / "book.csv").open())}
-    assert rows["a_honest"]["score"] == "6/6" and rows["a_honest"]["reason"] == "", out
-    assert rows["b_tamperer"]["score"] != "6/6", out
+    assert rows["a_honest"]["score"] == "100/100" and rows["a_honest"]["reason"] == "", out
+    assert rows["b_tamperer"]["score"] != "100/100", out
     if "grader's files changed" in rows["b_tamperer"]["reason"]:
         assert rows["c_honest"]["reason"].startswith("not graded: the grader's files changed while grading"), out
         assert "b_tamperer" in rows["c_honest"]["reason"] and "restore them" in rows["c_honest"]["reason"], out
     else:
-        assert rows["c_honest"]["score"] == "6/6", out
+        assert rows["c_honest"]["score"] == "100/100", out

@@ -23,8 +23,8 @@ from minikv.lessons.build import generate_lessons, lesson_path, lesson_sources, 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 MAX_WORDS = 1800
-# Stages 05-07 are still measurement reports; "Lessons, not reports (2 of 2)" (issue 42) makes them lessons.
-NOT_YET_LESSONS = {"05_prefix_sharing", "06_continuous_batching", "07_landlord"}
+# Stage 07 is still a measurement report; "Lessons, not reports (2 of 2)" (issue 42) makes them lessons.
+NOT_YET_LESSONS = {"07_landlord"}
 LESSONS = [p for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")) if p.stem not in NOT_YET_LESSONS]
 DEEP_DIVES = sorted((NOTEBOOKS / "deep").glob("*.ipynb"))
 

@@ -47,12 +47,25 @@ class NotImplementedYet(AssertionError):
 
 @dataclass
 class CheckResult:
+    """One check's verdict. `message`: why it failed, or, for a check that measures (a design's objective), what
+    it measured, the target and the held-out set it measured on, passing or failing. `points` of `max_points`:
+    the check's share of the exercise's score (its module's PARTS), 0 of 0 where none is given."""
+
     name: str
     passed: bool
     message: str = ""
+    points: int = 0
+    max_points: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tally(self) -> str:
+        return f" [{self.points}/{self.max_points}]" if self.max_points else ""
 
     def __str__(self) -> str:
-        return f"PASS  {self.name}" if self.passed else f"FAIL  {self.name}: {self.message}"
+        if self.passed:
+            return f"PASS  {self.name}{self.tally}" + (f": {self.message}" if self.message else "")
+        return f"FAIL  {self.name}{self.tally}: {self.message}"
 
 
 Check = Callable[[dict], None]
@@ -129,41 +142,58 @@ CELL_SECONDS = 60
 
 
 def run_checks(checks: list[Check], ns, budget: Callable | None = None,
-               seconds: dict[str, float] | None = None) -> list[CheckResult]:
+               seconds: dict[str, float] | None = None, points: dict[str, int] | None = None) -> list[CheckResult]:
     """Run each check on the learner's namespace (a dict, or the sandbox's proxy of one). If the
     submission's process dies, the check in flight and every later one fail with the reason.
     `budget(name, seconds)`: a context manager that bounds one check (the sandbox's `check_budget`);
-    `seconds`: the checks' budgets by function name (default CHECK_SECONDS)."""
+    `seconds`: the checks' budgets by function name (default CHECK_SECONDS); `points`: each check's points
+    by function name (`points_of(module)`). A check that returns a string passes with it as its message
+    (what it measured: a design check's figures, target and held-out set)."""
     from minikv.grading.sandbox import ChildDied, Delegation
 
     results, dead = [], None
     for check in checks:
         name = check.__name__.removeprefix("check_").replace("_", " ")
+        worth = (points or {}).get(check.__name__, 0)
         if dead:
-            results.append(CheckResult(name, False, f"not run: {dead}"))
+            results.append(CheckResult(name, False, f"not run: {dead}", 0, worth))
             continue
         limit = (seconds or {}).get(check.__name__, CHECK_SECONDS)
+        start = time.monotonic()
         try:
             with budget(name, limit) if budget else contextlib.nullcontext():
-                check(ns)
-            results.append(CheckResult(name, True))
+                said = check(ns)
+            results.append(CheckResult(name, True, _one_line(said) if isinstance(said, str) else "", worth, worth))
         except ChildDied as err:
             dead = err.reason
-            results.append(CheckResult(name, False, dead))
+            results.append(CheckResult(name, False, dead, 0, worth))
         except Delegation as err:
-            results.append(CheckResult(name, False, str(err)))
+            results.append(CheckResult(name, False, str(err), 0, worth))
         except NotImplementedYet as err:
-            results.append(CheckResult(name, False, str(err)))
+            results.append(CheckResult(name, False, str(err), 0, worth))
         except AssertionError as err:
-            results.append(CheckResult(name, False, _one_line(str(err)) or "assertion failed"))
+            results.append(CheckResult(name, False, _one_line(str(err)) or "assertion failed", 0, worth))
         except Exception as err:  # the learner's code crashed: say where, in one line
             where = getattr(err, "where", None)  # set on an exception that crossed from the sandbox
             if where is None:
                 frame = _learner_frame(traceback.extract_tb(err.__traceback__))
                 where = f"line {frame.lineno} of {Path(frame.filename).name}"
             results.append(CheckResult(name, False, _one_line(f"{type(err).__name__}: {err}")
-                                       + (f" ({where})" if where else "")))
+                                       + (f" ({where})" if where else ""), 0, worth))
+        results[-1].seconds = round(time.monotonic() - start, 2)
     return results
+
+
+def points_of(module) -> dict[str, int]:
+    """Each check's points, by function name, from the module's PARTS ({part: (points, [checks])}, the parts and
+    points its exercise's markdown states): a part's points split evenly over its checks, the first ones taking
+    what does not divide. A module without PARTS: no points (the score counts checks)."""
+    out: dict[str, int] = {}
+    for worth, checks in getattr(module, "PARTS", {}).values():
+        share, extra = divmod(worth, len(checks))
+        for i, check in enumerate(checks):
+            out[check.__name__] = share + (1 if i < extra else 0)
+    return out
 
 
 def _one_line(text: str) -> str:
@@ -203,7 +233,7 @@ def grade(exercise: str, ns: dict, quiet: bool = False) -> list[CheckResult]:
     module = exercise_module(exercise)
     cells = [c for c in ns.get("In", []) if isinstance(c, str)] if isinstance(ns, dict) else []
     flagged = _delegation(module, cells)
-    results = run_checks(list(module.CHECKS), _Flagged(ns, flagged) if flagged else ns)
+    results = run_checks(list(module.CHECKS), _Flagged(ns, flagged) if flagged else ns, points=points_of(module))
     if not quiet:
         print(SELF_CHECK)
         for line in result_lines(results):
@@ -244,7 +274,7 @@ def result_lines(results: list[CheckResult]) -> list[str]:
     one unfinished function meet the same hint) is not repeated, and long lines wrap at words."""
     seen, lines = set(), []
     for r in results:
-        text = f"FAIL  {r.name}: the same as above" if not r.passed and r.message in seen else str(r)
+        text = f"FAIL  {r.name}{r.tally}: the same as above" if not r.passed and r.message in seen else str(r)
         seen.add(r.message)
         lines.append(textwrap.fill(text, SCREEN_WIDTH, subsequent_indent=" " * 6, break_long_words=False,
                                    break_on_hyphens=False))
@@ -252,7 +282,11 @@ def result_lines(results: list[CheckResult]) -> list[str]:
 
 
 def score_line(results: list[CheckResult]) -> str:
+    """The score: points (each check's, from its module's PARTS) where the checks have them, else checks passed."""
     passed = sum(r.passed for r in results)
+    got, worth = sum(r.points for r in results), sum(r.max_points for r in results)
+    if worth:
+        return f"score: {got}/{worth} points ({100 * got // worth}%), {passed}/{len(results)} checks passed"
     return f"score: {passed}/{len(results)} ({100 * passed // max(len(results), 1)}%)"
 
 
@@ -328,10 +362,20 @@ class Report:
         """Every check passed, and there was at least one: the only case that exits 0."""
         return bool(self.results) and self.passed == len(self.results) and not self.reason
 
+    @property
+    def points(self) -> tuple[int, int]:
+        """(points earned, points possible): each check's points from its module's PARTS (0, 0 without)."""
+        return sum(r.points for r in self.results), sum(r.max_points for r in self.results)
+
     def row(self) -> dict:
+        """A gradebook row. `score` and `percent` are in points where the exercise gives them (every graded
+        exercise does: its markdown states each part's points), else in checks; `passed` and `total` count checks."""
         total = len(self.results)
+        got, worth = self.points
+        score, percent = (f"{got}/{worth}", 100 * got // worth) if worth else (
+            f"{self.passed}/{total}", 100 * self.passed // max(total, 1))
         return {"path": self.path, "exercise": self.exercise, "passed": self.passed, "total": total,
-                "score": f"{self.passed}/{total}", "percent": 100 * self.passed // max(total, 1),
+                "points": got, "max_points": worth, "score": score, "percent": percent,
                 "seconds": round(self.seconds, 1), "round_trips": self.round_trips, "reason": self.reason,
                 "isolation": self.isolation, "tampered": self.tampered,
                 "integrity_seconds": round(self.integrity_seconds, 3),
@@ -410,10 +454,10 @@ def _run_in_sandbox(report: Report, module, cells, flagged, timeout, budget, San
                      cell_seconds=getattr(module, "CELL_SECONDS", CELL_SECONDS)) as box:
             report.notes = box.notes
             if box.death:
-                report.results = run_checks(list(module.CHECKS), _Dead(box.death))
+                report.results = run_checks(list(module.CHECKS), _Dead(box.death), points=points_of(module))
             else:
                 report.results = run_checks(list(module.CHECKS), box.namespace, box.check_budget,
-                                            getattr(module, "CHECK_SECONDS", None))
+                                            getattr(module, "CHECK_SECONDS", None), points_of(module))
             report.round_trips = box.channel.next_request
     except ChildDied as err:  # while shutting down: the verdicts stand, the reason is recorded
         report.reason = err.reason
@@ -550,4 +594,4 @@ def generate_exercises(root: Path = REPO, check: bool = False) -> list[Path]:
 
 
 __all__ = ["grade", "grade_notebook", "grade_submission", "Report", "learner", "call", "make_exercise",
-           "generate_exercises", "strip_solutions", "CheckResult", "NotImplementedYet"]
+           "generate_exercises", "strip_solutions", "CheckResult", "NotImplementedYet", "points_of"]

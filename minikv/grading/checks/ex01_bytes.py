@@ -148,3 +148,8 @@ def check_weights_that_do_not_fit(ns):
 CHECKS = [check_cache_bytes_without_a_window, check_cache_bytes_every_layer_sliding,
           check_cache_bytes_sliding_and_full_layers, check_cache_bytes_real_models,
           check_conversations_that_fit, check_weights_that_do_not_fit]
+
+# The exercise's parts and their points (its first cell states the same; the grader's score is out of 100).
+PARTS = {"1. `kv_cache_bytes`": (70, [check_cache_bytes_without_a_window, check_cache_bytes_every_layer_sliding,
+                                      check_cache_bytes_sliding_and_full_layers, check_cache_bytes_real_models]),
+         "2. `conversations_that_fit`": (30, [check_conversations_that_fit, check_weights_that_do_not_fit])}

@@ -54,7 +54,7 @@ from minikv.grading.checks.run_allocator import (  # part (d), and the helpers t
     OUT_OF_BLOCKS_ERRORS,
     _describe,
     _outcome,
-    check_run_allocator_few_runs_on_drawn_traces,
+    check_run_allocator_few_runs_on_held_out_traces,
     check_run_allocator_keeps_the_hard_limits,
 )
 
@@ -591,4 +591,14 @@ CHECKS = [check_allocator_matches_minikv_on_random_operations, check_allocator_e
           check_block_table_slots, check_block_table_all_or_nothing, check_block_table_sliding_window,
           check_paged_attention_multi_head, check_paged_attention_grouped_query,
           check_real_model_with_your_allocator_and_table,
-          check_run_allocator_keeps_the_hard_limits, check_run_allocator_few_runs_on_drawn_traces]
+          check_run_allocator_keeps_the_hard_limits, check_run_allocator_few_runs_on_held_out_traces]
+
+# The exercise's parts and their points (its first cell states the same; the grader's score is out of 100): the
+# design decides full marks.
+PARTS = {"1. `MyBlockAllocator`": (15, [check_allocator_matches_minikv_on_random_operations, check_allocator_errors]),
+         "2. `MyBlockTable`": (15, [check_block_table_slots, check_block_table_all_or_nothing,
+                                    check_block_table_sliding_window]),
+         "3. `my_paged_attention`": (10, [check_paged_attention_multi_head, check_paged_attention_grouped_query]),
+         "1-2 together: SmolLM2 on your allocator and table": (10, [check_real_model_with_your_allocator_and_table]),
+         "4. `MyRunAllocator`: the hard limits": (15, [check_run_allocator_keeps_the_hard_limits]),
+         "4. `MyRunAllocator`: the objective": (35, [check_run_allocator_few_runs_on_held_out_traces])}

@@ -417,3 +417,10 @@ def check_block_number_widened_to_int64(ns):
 CHECKS = [check_one_full_block, check_partial_last_block, check_many_scattered_blocks_garbage_past_the_end,
           check_grouped_query_heads, check_block_size_not_a_power_of_two, check_float16_cache,
           check_sliding_window, check_block_number_widened_to_int64]
+
+# The exercise's parts and their points (its first cell states the same; the grader's score is out of 100).
+PARTS = {"the loop on full, partial and scattered blocks, GQA, odd block sizes, fp16": (
+             60, [check_one_full_block, check_partial_last_block, check_many_scattered_blocks_garbage_past_the_end,
+                  check_grouped_query_heads, check_block_size_not_a_power_of_two, check_float16_cache]),
+         "the sliding window": (30, [check_sliding_window]),
+         "block numbers widened to int64": (10, [check_block_number_widened_to_int64])}

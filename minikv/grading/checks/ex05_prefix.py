@@ -395,3 +395,12 @@ def check_your_code_is_not_minikvs_module(ns):
 CHECKS = [check_chain_hash, check_lookup_and_copy_on_write_cases, check_matches_minikv_on_random_operations,
           check_small_pool_all_or_nothing_and_eviction, check_real_model_beams_with_your_manager,
           check_your_code_is_not_minikvs_module]
+
+# The exercise's parts and their points (its first cell states the same; the grader's score is out of 100).
+PARTS = {"1. `chain_hash`": (10, [check_chain_hash]),
+         "2. `MyBlockManager`: the scripted cases": (20, [check_lookup_and_copy_on_write_cases]),
+         "2. `MyBlockManager` against minikv's on random operations": (25, [check_matches_minikv_on_random_operations]),
+         "2. `MyBlockManager` in small pools: all or nothing, eviction": (
+             15, [check_small_pool_all_or_nothing_and_eviction]),
+         "2. `MyBlockManager` under SmolLM2's beam search": (15, [check_real_model_beams_with_your_manager]),
+         "your own code, not minikv's module": (15, [check_your_code_is_not_minikvs_module])}

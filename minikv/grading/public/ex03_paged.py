@@ -11,7 +11,7 @@ hands a sequence blocks scattered all over the pool: nearly a run per block.
 
 Public on purpose: the notebook imports these (``from minikv.grading.public.ex03_paged import
 TRACES, objective, simulate``), and a submission's process may read this module. It holds no answer
-and no passing rule: the target lives in ``minikv/grading/checks/run_allocator.py``.
+and no passing rule: the target and the held-out seeds live in ``minikv/grading/checks/run_allocator.py``.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def simulate(allocator_cls, trace: Trace) -> Run:
 def objective(allocator_cls, seed: int, n: int = NUM_TRACES) -> dict:
     """Serve the `n` traces drawn from `seed` with minikv's free list (the baseline) and with
     `allocator_cls`: runs of the sequences moved, summed, and the ratio yours / the baseline's (lower is
-    better). The grader calls this with a seed drawn afresh at each grading run and prints it."""
+    better). The grader calls this on every seed of its held-out set and grades the mean of the ratio."""
     traces = draw_traces(seed, n)
     base = [simulate(FreeListBaseline, t) for t in traces]
     mine = [simulate(allocator_cls, t) for t in traces]
