@@ -20,9 +20,9 @@ import threading
 
 from minikv.config import EngineConfig, add_engine_args
 
-# Interactive defaults on the CPU (see notebooks/deep/06_chunked_prefill.ipynb): a step costs roughly its token count, so
-# the budget and the per-prompt chunk bound the longest pause a running stream sees when a long prompt
-# arrives; on a GPU a step of a few hundred tokens costs about a decode step, and vLLM's defaults stand.
+# Interactive defaults on the CPU (notebooks/deep/06_chunked_prefill.ipynb): a step costs roughly its token
+# count, so the budget and the per-prompt chunk bound the longest pause a running stream sees when a long
+# prompt arrives; on a GPU a step of a few hundred tokens costs about a decode step, and vLLM's defaults stand.
 CPU_STEP_BUDGET = 512
 CPU_PREFILL_CAP = 256
 ENGINE_HELP = {
