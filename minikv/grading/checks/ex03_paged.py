@@ -585,10 +585,10 @@ def check_real_model_with_your_allocator_and_table(ns):
 
 
 # ---- (d) the design: few runs per sequence, in minikv/grading/checks/run_allocator.py -------------------
-CHECKS = [check_allocator_matches_minikv_on_random_operations, check_allocator_errors,
-          check_block_table_slots, check_block_table_all_or_nothing, check_block_table_sliding_window,
-          check_paged_attention_multi_head, check_paged_attention_grouped_query,
-          check_real_model_with_your_allocator_and_table, check_run_allocator_keeps_the_hard_limits, check_run_allocator_few_runs_on_held_out_traces]
+CHECKS = [check_allocator_matches_minikv_on_random_operations, check_allocator_errors, check_block_table_slots,
+          check_block_table_all_or_nothing, check_block_table_sliding_window, check_paged_attention_multi_head,
+          check_paged_attention_grouped_query, check_real_model_with_your_allocator_and_table,
+          check_run_allocator_keeps_the_hard_limits, check_run_allocator_few_runs_on_held_out_traces]
 
 # The exercise's parts and their points, out of 100 (its first cell states the same): the design decides full marks.
 PARTS = {"1. `MyBlockAllocator`": (15, [check_allocator_matches_minikv_on_random_operations, check_allocator_errors]),
