@@ -17,6 +17,9 @@ This module holds:
   shared by the reference and the kernel wrapper, so both reject bad input with the same message.
   This module imports no kernel: ``kernels/paged_attention.py`` imports the check from here, and
   ``minikv.dispatch`` is the one place that chooses between the reference and the kernel.
+* ``attend_gathered`` (with ``causal_bias``): the engine's vectorized form of the same arithmetic, over a
+  planned step (``minikv.step``): whole blocks gathered per group of sequences, grouped matmuls, a masked
+  softmax; ``minikv.dispatch.attend_layer`` calls it for the groups no kernel takes.
 * ``random_paged_inputs``: a random decode batch laid out the way a real pool ends up, blocks
   scattered and table tails full of garbage, for tests and notebooks.
 
@@ -42,6 +45,7 @@ from typing import NamedTuple
 import torch
 
 from minikv.blocks import blocks_for
+from minikv.step import AttnGroup
 
 __all__ = [
     "PagedInputs",
@@ -253,3 +257,58 @@ def random_paged_inputs(
         block_tables=block_tables.to(device),
         seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
     )
+
+
+# -- the engine's gather path: the same arithmetic, vectorized over a planned step ------------------
+def causal_bias(q_pos: torch.Tensor, num_keys: int, kv_heads: int, group_size: int) -> torch.Tensor:
+    """[KVH*S, G*Q, num_keys]: 0 where query (at position q_pos) may see the key at that position, else -inf."""
+    key_pos = torch.arange(num_keys, device=q_pos.device)
+    allowed = key_pos[None, None, :] <= q_pos[:, :, None]  # causal, which also stops at each sequence's end
+    bias = torch.zeros(allowed.shape, device=q_pos.device).masked_fill_(~allowed, float("-inf"))
+    # One bias row per (KV head, sequence) x (query head in the group, query) row of the scores,
+    # materialized once per step so every layer adds it inside its matmul (baddbmm).
+    s, q_len = q_pos.shape
+    bias = bias[None, :, None].expand(kv_heads, s, group_size, q_len, num_keys)
+    return bias.reshape(kv_heads * s, group_size * q_len, num_keys)
+
+
+def _softmax_attend(q, keys, values, bias, scaling):
+    """softmax(bias + scaling * q k^T) v for [B, rows, D] queries over [B, L, D] keys and values."""
+    # scores = bias + scaling * q @ k^T in one call; softmax in float32 even for half-precision models.
+    scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scaling)
+    probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.bmm(probs, values)
+
+
+def attend_gathered(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, group: AttnGroup,
+            scaling: float) -> torch.Tensor:
+    """Vectorized paged attention for one group: gather whole blocks, grouped matmuls, masked softmax.
+
+    query [KVH, G, T, D]: the whole step's queries, grouped by the KV head they read.
+    Returns [rows, H, D] for the group's real query rows.
+    The store is head-major ([KVH, blocks, block_size, D]), so gathering a sequence's blocks yields
+    each (KV head, sequence) pair's keys as one contiguous [W*block_size, D] matrix: one copy, and
+    the matmuls read it as it lies. Grouped-query attention without repeating K/V: the G query
+    heads that share a KV head are stacked along the query axis of one matmul.
+    """
+    kv_heads, g, _, head_dim = query.shape
+    s, q_len = group.block_tables.shape[0], group.q_len
+    q = query if group.identity else query[:, :, group.q_index]  # [KVH, G, S*Q, D]
+    # [KVH, G, S, Q, D] -> [KVH, S, G*Q, D]
+    q = q.view(kv_heads, g, s, q_len, head_dim).transpose(1, 2).reshape(kv_heads * s, g * q_len, head_dim)
+    keys = k_store[:, group.block_tables].view(kv_heads * s, -1, head_dim)  # [KVH*S, L, D]
+    values = v_store[:, group.block_tables].view(kv_heads * s, -1, head_dim)
+    if group.bias is not None:
+        out = _softmax_attend(q, keys, values, group.bias.to(q.dtype), scaling)  # [KVH*S, G*Q, D]
+    else:  # a long prefill: one tile of queries at a time, each with its own slice of the bias
+        q = q.view(kv_heads * s, g, q_len, head_dim)
+        out = torch.empty_like(q)
+        for t in range(0, q_len, group.q_tile):
+            rows = slice(t, min(t + group.q_tile, q_len))
+            bias = causal_bias(group.q_pos[:, rows], keys.shape[1], kv_heads, g).to(q.dtype)
+            tile = q[:, :, rows].reshape(kv_heads * s, -1, head_dim)
+            out[:, :, rows] = _softmax_attend(tile, keys, values, bias, scaling).view(
+                kv_heads * s, g, -1, head_dim)
+    # -> [S, Q, KVH, G, D] -> [S*Q, H, D]
+    out = out.view(kv_heads, s, g, q_len, head_dim).permute(1, 3, 0, 2, 4).reshape(s * q_len, kv_heads * g, head_dim)
+    return out if group.q_valid is None else out[group.q_valid]

@@ -4,7 +4,8 @@
 `python -m minikv serve --block-size 8 --num-blocks 64` and `python -m minikv bench serve
 --block-size 8 ...` all end in the same `EngineConfig`, checked once here: a bad value raises
 `minikv.validation.InvalidArgument` whose ``.param`` names it and whose message says what it must
-be. The flags are made from the fields (`add_engine_args`), so a new setting is one new field.
+be. The flags are made from the fields' metadata (`setting`, `add_engine_args`), so a new setting is one
+new field; the scheduler's and the input processor's views are derived here (`scheduler_config`, `limits`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
+from minikv.inputs import EngineLimits
+from minikv.scheduler import SchedulerConfig
 from minikv.validation import (
     InvalidArgument,
     InvalidArgumentType,
@@ -44,26 +47,47 @@ def parse_bytes(value: int | float | str, param: str = "a memory size") -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
 
 
+def setting(default, help: str, kind=None, no_flag: str | None = None):
+    """A field of `EngineConfig` with its command-line flag: ``kind`` is the flag's argparse type (``bool``:
+    --x / --no-x; a tuple: choices; default: the default's type), ``help`` its help. A setting with no flag
+    says why in ``no_flag`` (tests/test_seams.py fails on a field with neither)."""
+    return field(default=default, metadata={"help": help, "kind": kind, "no_flag": no_flag})
+
+
 @dataclass
 class EngineConfig:
-    """How the engine runs (vLLM's names). See `LLMEngine` for what each lever does."""
+    """How the engine runs (vLLM's names). See `LLMEngine` for what each lever does.
 
-    block_size: int = 16                          # tokens per KV block
-    num_blocks: int | None = None                 # KV pool size in blocks (wins over kv_cache_memory)
-    kv_cache_memory: int | float | str | None = None   # KV pool size in bytes or like "2GiB"
-    max_num_seqs: int = 64                        # sequences computing at once (seats)
-    max_num_batched_tokens: int | None = None     # tokens per step (None: 2048, or the context without chunking)
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int | None = None   # one request's prefill chunk per step at most (None/0: no cap)
-    preemption_mode: str = "recompute"            # or "swap"
-    swap_space: int | float | str | None = None   # CPU swap in bytes or like "4GiB" (None: as big as the pool)
-    watermark: float = 0.01                       # share of the pool kept free when admitting
-    verbose: bool = True                          # print the pool's size at start
-    prepack_linears: bool | None = None           # oneDNN weight prepacking (None: on the CPU in fp32)
-    cpu_kernel: bool | None = None                # C++ attention kernels (None: on the CPU in fp32, when they build)
-    compile: bool = False                         # torch.compile of every step of >= 2 tokens
-    decode_graphs: bool = False                   # CUDA graphs for decode steps (one extra scratch block)
+    Every setting, its default, its check and its flag are here, once. The scheduler's and the input
+    processor's views (`minikv.scheduler.SchedulerConfig`, `minikv.inputs.EngineLimits`) are derived from
+    it by `scheduler_config` and `limits`, with the pool's size the engine measured."""
+
+    block_size: int = setting(16, "tokens per KV block (default 16)")
+    num_blocks: int | None = setting(None, "KV pool size in blocks (overrides --kv-cache-memory)", int)
+    kv_cache_memory: int | float | str | None = setting(
+        None, "KV pool size in bytes or like '256MiB' (default: 1 GiB on the CPU, half the free GPU memory on a "
+              "GPU, capped by --max-num-seqs)", str)
+    max_num_seqs: int = setting(64, "sequences in one batch at most (default 64)")
+    max_num_batched_tokens: int | None = setting(
+        None, "tokens per step at most (default 2048; without chunked prefill at least the context)", int)
+    enable_prefix_caching: bool = setting(True, "share the KV blocks of repeated prompt prefixes (default on)")
+    enable_chunked_prefill: bool = setting(True, "split long prompts over steps (default on)")
+    long_prefill_token_threshold: int | None = setting(
+        None, "one request's prompt tokens per step at most (default: no cap; needs chunked prefill)", int)
+    preemption_mode: str = setting("recompute", "what preemption does to a sequence's blocks (default recompute)",
+                                   ("recompute", "swap"))
+    swap_space: int | float | str | None = setting(
+        None, "CPU swap for --preemption-mode swap, bytes or like '4GiB' (default: the pool's size)", str)
+    watermark: float = setting(0.01, "share of the pool kept free when admitting (default 0.01)")
+    verbose: bool = setting(True, "print the pool's size at start", no_flag=(
+        "a command decides what it prints: serve prints its own start-up line, bench serve its table"))
+    prepack_linears: bool | None = setting(
+        None, "prepack the linear weights for oneDNN and MKL (default: on the CPU in fp32)", bool)
+    cpu_kernel: bool | None = setting(
+        None, "C++ attention kernels, decode and prompt (default: on the CPU in fp32, when they build)", bool)
+    compile: bool = setting(False, "torch.compile every step, attention outside the graph (default off: minutes "
+                                   "of start-up)")
+    decode_graphs: bool = setting(False, "CUDA graphs for decode steps (default off)")
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
@@ -85,6 +109,38 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 check_bool(name, getattr(self, name))
 
+    # -- what the engine derives from it, once the model and the pool are known ------------------------
+    def batched_tokens(self, max_model_len: int) -> int:
+        """Tokens per step: as given, else 2048; without chunked prefill at least the context, since a
+        whole prompt must then fit in one step."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+
+    def swap_blocks(self, num_blocks: int, bytes_per_block: int) -> int:
+        """The CPU swap space in blocks: none unless preempting by swap; then `swap_space`, or the pool's size."""
+        if self.preemption_mode != "swap":
+            return 0
+        if self.swap_space is None:
+            return num_blocks
+        return parse_bytes(self.swap_space, "swap_space") // bytes_per_block
+
+    def scheduler_config(self, num_blocks: int, bytes_per_block: int, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's read-only view of these settings, for a pool of `num_blocks`."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.batched_tokens(max_model_len),
+            enable_chunked_prefill=self.enable_chunked_prefill, preemption_mode=self.preemption_mode,
+            watermark_blocks=max(1, int(self.watermark * num_blocks)) if self.watermark > 0 else 0,
+            swap_blocks=self.swap_blocks(num_blocks, bytes_per_block),
+            long_prefill_token_threshold=self.long_prefill_token_threshold)
+
+    def limits(self, vocab_size: int, max_model_len: int, num_blocks: int) -> EngineLimits:
+        """The input processor's read-only view: what every request is checked against."""
+        return EngineLimits(vocab_size=vocab_size, max_model_len=max_model_len, num_blocks=num_blocks,
+                            block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.batched_tokens(max_model_len),
+                            enable_chunked_prefill=self.enable_chunked_prefill)
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
         """`LLM(model, **kwargs)`'s keywords; an unknown one is named, with the ones there are."""
@@ -98,38 +154,26 @@ class EngineConfig:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides) -> EngineConfig:
         """The config of `add_engine_args`' flags: a flag left out keeps the field's default."""
-        given = {f.name: getattr(args, f.name) for f in fields(cls)
-                 if f.name in _FLAGS and getattr(args, f.name, None) is not None}
+        given = {f.name: getattr(args, f.name) for f in flag_fields() if getattr(args, f.name, None) is not None}
         return cls(**(given | overrides))
 
 
-# field -> (argparse type, help); the booleans become --x / --no-x
-_FLAGS = {
-    "block_size": (int, "tokens per KV block (default 16)"),
-    "num_blocks": (int, "KV pool size in blocks (overrides --kv-cache-memory)"),
-    "kv_cache_memory": (str, "KV pool size in bytes or like '256MiB' (default: 1 GiB on the CPU, half the free "
-                             "GPU memory on a GPU, capped by --max-num-seqs)"),
-    "max_num_seqs": (int, "sequences in one batch at most (default 64)"),
-    "max_num_batched_tokens": (int, "tokens per step at most (default 2048)"),
-    "enable_prefix_caching": (bool, "share the KV blocks of repeated prompt prefixes (default on)"),
-    "enable_chunked_prefill": (bool, "split long prompts over steps (default on)"),
-    "long_prefill_token_threshold": (int, "one request's prompt tokens per step at most (default: no cap)"),
-    "preemption_mode": (("recompute", "swap"), "what preemption does to a sequence's blocks (default recompute)"),
-    "swap_space": (str, "CPU swap for --preemption-mode swap, bytes or like '4GiB' (default: the pool's size)"),
-    "watermark": (float, "share of the pool kept free when admitting (default 0.01)"),
-    "prepack_linears": (bool, "oneDNN weight prepacking (default: on the CPU in fp32)"),
-    "cpu_kernel": (bool, "C++ attention kernels, decode and prompt (default: on the CPU in fp32, when they build)"),
-    "compile": (bool, "torch.compile every step, attention outside the graph (default off: minutes of start-up)"),
-    "decode_graphs": (bool, "CUDA graphs for decode steps (default off)"),
-}
+def flag_fields() -> list:
+    """The `EngineConfig` fields that have a command-line flag."""
+    return [f for f in fields(EngineConfig) if not f.metadata.get("no_flag")]
+
+
+def flag_kind(f):
+    """A field's argparse type: its metadata's, else its default's (bool, int, float, str)."""
+    return f.metadata.get("kind") or type(f.default)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, help: dict[str, str] | None = None) -> None:
-    """The engine's flags, one per `EngineConfig` field (`verbose` aside); each defaults to None: not given.
+    """The engine's flags, one per `EngineConfig` field that has one; each defaults to None: not given.
     `parser` may be an argument group; `help` replaces a flag's help where a command has defaults of its own."""
-    for name, (kind, help_) in _FLAGS.items():
-        help_ = (help or {}).get(name, help_)
-        flag = "--" + name.replace("_", "-")
+    for f in flag_fields():
+        kind, help_ = flag_kind(f), (help or {}).get(f.name, f.metadata["help"])
+        flag = "--" + f.name.replace("_", "-")
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif isinstance(kind, tuple):
@@ -141,10 +185,10 @@ def add_engine_args(parser: argparse.ArgumentParser, help: dict[str, str] | None
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The flags given to `add_engine_args`, spelled again for another command (bench serve -> serve)."""
     out = []
-    for name, (kind, _) in _FLAGS.items():
-        value = getattr(args, name, None)
+    for f in flag_fields():
+        value = getattr(args, f.name, None)
         if value is None:
             continue
-        flag = "--" + name.replace("_", "-")
-        out += ([flag] if value else ["--no-" + flag[2:]]) if kind is bool else [flag, str(value)]
+        flag = "--" + f.name.replace("_", "-")
+        out += ([flag] if value else ["--no-" + flag[2:]]) if flag_kind(f) is bool else [flag, str(value)]
     return out

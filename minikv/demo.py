@@ -101,8 +101,7 @@ def serve(model_name: str = "smollm2-135m", max_tokens: int = 48, num_prompts: i
     snap = engine.stats(history=None)   # the engine's read-only view: every step it kept, its prefix counters
     summary = summarize(outs, snap.steps)
     summary["prefix_hit_rate"] = snap.prefix_hit_rate
-    runner = engine.runner
-    pool_bytes = sum(p.nbytes for p in (*runner.k_pools, *runner.v_pools))
+    pool_bytes = engine.pool_view().kv_bytes   # the pool's tensors as allocated, measured
     slots = engine.num_blocks * engine.block_size
     shape = ModelShape.from_config(model.config, name=model_name)
     prompt = [len(o.prompt_token_ids) for o in outs]

@@ -10,9 +10,9 @@ Three backends read K/V from a block pool, under one name each (an ``AttentionBa
 
 `choose_backend` makes the choice from the device, the dtype and the two switches (``use_kernel``
 for Triton, ``cpu_kernel`` for the C++ one); the runner asks once, at start, and `kernel_decode` runs
-a kernel backend on the runner's step layout. Notebooks ask through `decode_attention`. The step
-layout every backend reads (`SeqStep` in, `StepPlan` and its `AttnGroup`s) is defined here too, so
-the runner and its speed levers (``minikv.speed``) share it without importing each other.
+a kernel backend on the runner's step layout, and `attend_layer` is one layer's attention over a planned
+step (``minikv.step``), routing each group to its backend: the engine's one entry into attention.
+Notebooks ask through `decode_attention`. The gather path's arithmetic is ``minikv.attention``'s.
 
 ``minikv.attention`` (the reference and the calling convention) imports no kernel, and
 ``kernels/paged_attention.py`` imports only the convention's check from it: no import circle.
@@ -21,16 +21,12 @@ the runner and its speed levers (``minikv.speed``) share it without importing ea
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from minikv.attention import paged_attention_ref
-
-AttentionBackend = Literal["triton", "cpu", "gather"]
-TRITON, CPU_KERNEL, GATHER = "triton", "cpu", "gather"
+from minikv.attention import attend_gathered, paged_attention_ref
+from minikv.step import CPU_KERNEL, GATHER, TRITON, AttentionBackend, AttnGroup, StepPlan
 
 
 def triton_installed() -> bool:
@@ -104,61 +100,6 @@ def decode_attention(
     return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
 
-# -- the engine's step layout, read by every backend --------------------------------------------------
-@dataclass
-class SeqStep:
-    """One sequence's share of one step."""
-
-    seq_id: int
-    token_ids: list[int]  # tokens computed this step: a prefill chunk, or the one newest token
-    start_pos: int  # position of token_ids[0] = tokens of this sequence already in the KV cache
-    block_table: list[int]  # physical blocks covering positions 0 .. start_pos + len(token_ids) - 1
-    slots: list[int]  # the physical slot of each token in token_ids (block * block_size + offset)
-    wants_logits: bool  # sample after this step: a decode, or a prefill's last chunk
-
-
-@dataclass
-class AttnGroup:
-    """Sequences whose queries are attended together, padded to the group's longest query and block run.
-
-    q_index [S*Q] token index (into the flattened step) of each padded query row; padding repeats a real one
-    q_valid: index of the real rows among the S*Q padded query rows (None: all are real)
-    out_index: token index of each real query row, in q_valid order
-    block_tables [S, W]: each sequence's blocks (padding repeats a real block; its keys are masked)
-    bias [KVH*S, G*Q, W*block_size]: 0 where a query may attend a key, -inf elsewhere (causal + sequence end);
-        None for a long prefill, whose bias is made per tile of q_tile queries from q_pos [S, Q]
-    seq_lens [S] int32: the kernel's input (decode groups of a kernel backend only)
-    """
-
-    q_index: torch.Tensor
-    q_valid: torch.Tensor | None
-    out_index: torch.Tensor
-    block_tables: torch.Tensor
-    bias: torch.Tensor | None
-    q_len: int
-    q_pos: torch.Tensor  # [S, Q] each query row's position in its sequence (padding rows: 0)
-    q_tile: int  # query rows per tile: all of them unless the scores would exceed SCORE_BUDGET
-    seq_lens: torch.Tensor | None = None
-    identity: bool = False  # one token per sequence, the whole step in order: no gather/scatter of queries
-    backend: AttentionBackend = GATHER  # who attends it: a kernel group says which kernel
-
-
-@dataclass
-class StepPlan:
-    """The step's layout, built once and read by every layer's attention call."""
-
-    k_stores: list[torch.Tensor]  # per layer [kv_heads, num_blocks, block_size, head_dim]
-    v_stores: list[torch.Tensor]
-    slots: torch.Tensor  # [T] int64
-    groups: list[AttnGroup]  # gathered by PyTorch
-    kernel_groups: list[AttnGroup]  # decode groups that go through a kernel (group.backend says which)
-    num_tokens: int
-    # (first token index, length) of each prefill chunk with nothing cached before it (start_pos 0):
-    # it attends only to itself, on the step's own K/V, as transformers' prefill does (see prompt_attention)
-    fresh: list[tuple[int, int]] = field(default_factory=list)
-    fresh_backend: AttentionBackend = GATHER  # the runner's backend: CPU_KERNEL runs them in C++, any other SDPA
-
-
 def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                      backend: AttentionBackend = GATHER) -> torch.Tensor:
     """A prompt's first chunk attending causally to itself: query [1, H, T, D], key/value [1, KVH, T, D], as
@@ -188,3 +129,31 @@ def kernel_decode(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
     # layer would read seq_lens back from the GPU thirty times a step.
     return kernel(q.contiguous(), k_store.permute(1, 2, 0, 3), v_store.permute(1, 2, 0, 3),
                   group.block_tables, group.seq_lens, scaling, check_inputs=False)
+
+
+def attend_layer(plan: StepPlan, layer: int, query, key, value, scaling: float) -> torch.Tensor:
+    """One layer's attention over a planned step: store the new K/V, then attend. Returns [1, T, H, D]."""
+    k_store, v_store = plan.k_stores[layer], plan.v_stores[layer]
+    kv_heads, _, _, head_dim = k_store.shape
+    num_heads, num_tokens = query.shape[1], query.shape[2]
+    # 1. Store this step's keys and values at their slots (prefill chunks and decode tokens alike).
+    k_store.view(kv_heads, -1, head_dim).index_copy_(1, plan.slots, key[0].to(k_store.dtype))
+    v_store.view(kv_heads, -1, head_dim).index_copy_(1, plan.slots, value[0].to(v_store.dtype))
+    # 2. Attend through the block tables. Query head h reads KV head h // G.
+    grouped = query[0].view(kv_heads, num_heads // kv_heads, num_tokens, head_dim)
+    if len(plan.groups) == 1 and plan.groups[0].identity and not plan.kernel_groups and not plan.fresh:
+        out = attend_gathered(grouped, k_store, v_store, plan.groups[0], scaling)
+    elif len(plan.kernel_groups) == 1 and plan.kernel_groups[0].identity and not plan.groups and not plan.fresh:
+        out = kernel_decode(query[0].transpose(0, 1), k_store, v_store, plan.kernel_groups[0], scaling)
+    else:
+        out = query.new_empty(num_tokens, num_heads, head_dim)
+        for start, n in plan.fresh:  # a prompt's first chunk sees only itself: causal attention, no cache read
+            rows = slice(start, start + n)
+            out[rows] = prompt_attention(query[:, :, rows], key[:, :, rows], value[:, :, rows], scaling,
+                                         plan.fresh_backend)
+        for group in plan.groups:  # at most six: decodes and prefill chunks, each split by length
+            out[group.out_index] = attend_gathered(grouped, k_store, v_store, group, scaling)
+        for group in plan.kernel_groups:
+            q = query[0, :, group.out_index].transpose(0, 1)  # [S, H, D]
+            out[group.out_index] = kernel_decode(q, k_store, v_store, group, scaling)
+    return out.unsqueeze(0)

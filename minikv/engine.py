@@ -29,7 +29,7 @@ import torch
 
 from minikv.blocks import blocks_for
 from minikv.config import EngineConfig, parse_bytes
-from minikv.inputs import EngineLimits, InputProcessor
+from minikv.inputs import InputProcessor, blocks_at_most
 from minikv.metrics import (
     SPAN_SAMPLE,
     SPAN_STEP,
@@ -38,18 +38,20 @@ from minikv.metrics import (
     PoolView,
     Preemption,
     RequestMetrics,
+    StepOutputs,
     StepStats,
     Tenant,
     span,
     summarize,
 )
 from minikv.outputs import OutputProcessor, RequestOutput
-from minikv.prefix import BlockManager, SwapSpace
-from minikv.runner import ModelRunner, Runner, SeqStep
+from minikv.prefix import BlockManager
+from minikv.runner import ModelRunner, Runner
 from minikv.sampling import SamplingParams, make_generator, sample
-from minikv.scheduler import BlockOp, CopyBlocks, Scheduler, SchedulerConfig, SchedulerOutput, SwapOut
+from minikv.scheduler import BlockOp, CopyBlocks, Scheduler, SchedulerOutput, SchedulerStalled, SwapOut, SwapSpace
 from minikv.sequence import Request, Sequence
 from minikv.sizing import fmt_bytes, kv_bytes_per_block
+from minikv.step import SeqStep
 from minikv.validation import (
     InvalidArgument,
     InvalidArgumentType,
@@ -141,43 +143,29 @@ class LLMEngine:
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
         self.vocab_size = model_config.vocab_size
 
-        max_num_batched_tokens = c.max_num_batched_tokens
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if c.enable_chunked_prefill else max(2048, self.max_model_len)
-
         self.num_blocks, self.bytes_per_block = kv_pool_blocks(
             model, c.block_size, c.num_blocks, c.kv_cache_memory, c.max_num_seqs, self.max_model_len)
         self.block_size = c.block_size
-        swap_blocks = 0
-        if c.preemption_mode == "swap":
-            swap_blocks = (self.num_blocks if c.swap_space is None
-                           else parse_bytes(c.swap_space, "swap_space") // self.bytes_per_block)
         if c.verbose:
             print(f"minikv: KV cache pool of {self.num_blocks} blocks x {c.block_size} tokens "
                   f"= {self.num_blocks * c.block_size} tokens, {fmt_bytes(self.num_blocks * self.bytes_per_block)}")
 
         self.bm = BlockManager(self.num_blocks, c.block_size, enable_prefix_caching=c.enable_prefix_caching)
-        self.swap = SwapSpace(swap_blocks)   # where swapped-out K/V waits, beside the pool
+        scheduler_config = c.scheduler_config(self.num_blocks, self.bytes_per_block, self.max_model_len)
+        self.swap = SwapSpace(scheduler_config.swap_blocks)   # where swapped-out K/V waits, beside the pool
         self.runner = runner if runner is not None else ModelRunner(
             model, self.num_blocks, c.block_size, prepack_linears=c.prepack_linears, cpu_kernel=c.cpu_kernel,
             compile=c.compile, decode_graphs=c.decode_graphs, max_num_seqs=c.max_num_seqs)
         self.output_processor = OutputProcessor(tokenizer)
-        self.input_processor = InputProcessor(tokenizer, EngineLimits(
-            vocab_size=self.vocab_size, max_model_len=self.max_model_len, num_blocks=self.num_blocks,
-            block_size=c.block_size, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=c.enable_chunked_prefill))
+        self.input_processor = InputProcessor(tokenizer, c.limits(self.vocab_size, self.max_model_len,
+                                                                  self.num_blocks))
         self.device = next(model.parameters()).device
-        self.scheduler = scheduler_cls(SchedulerConfig(
-            max_num_seqs=c.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=c.enable_chunked_prefill, preemption_mode=c.preemption_mode,
-            watermark_blocks=max(1, int(c.watermark * self.num_blocks)) if c.watermark > 0 else 0,
-            swap_blocks=swap_blocks, long_prefill_token_threshold=c.long_prefill_token_threshold),
-            self.bm, self.swap)
+        self.scheduler = scheduler_cls(scheduler_config, self.bm, self.swap)
         self.requests: dict[str, Request] = {}
         self.step_stats: list[StepStats] = []   # the bounded step history (see _record); read it through stats()
         self._num_steps = 0
         self._aborted: list[RequestOutput] = []
-        self._preemptions: list[Preemption] = []   # the last step's evictions, for the landlord's page
+        self._preemptions: list[Preemption] = []   # the last step's preemptions, for the landlord's page
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
@@ -229,8 +217,8 @@ class LLMEngine:
         sched, bm = self.scheduler, self.bm
         kept = self.step_stats
         steps = kept if history is None else kept[max(0, len(kept) - history):]
-        reserved = sum(blocks_for(min(len(r.prompt_token_ids) + r.params.max_tokens - 1, self.max_model_len),
-                                  self.block_size) * r.params.n for r in self.requests.values())
+        reserved = sum(blocks_at_most(len(r.prompt_token_ids), r.params.max_tokens, self.block_size,
+                                      self.max_model_len, n=r.params.n) for r in self.requests.values())
         free = bm.num_free_blocks
         return EngineStats(
             running=len(sched.running), waiting=len(sched.waiting), swapped=len(sched.swapped),
@@ -241,25 +229,27 @@ class LLMEngine:
             prefix_evictions=bm.stats.evictions, steps=tuple(steps))
 
     # -- one step ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> execute -> postprocess. Returns the outputs that changed
-        (a new token, a finish, an abort)."""
+    def step(self) -> StepOutputs:
+        """One iteration: schedule -> execute -> postprocess. Returns the outputs that changed (a new token,
+        a finish, an abort), as a list carrying what the step did: ``.stats`` (None if it ran nothing) and
+        ``.preemptions``."""
         with span(SPAN_STEP):
             t0 = time.perf_counter()
             changed, self._aborted = self._aborted, []
             batch = self._schedule()
             self._preemptions = batch.preemptions
-            if batch.scheduled:
-                t1 = time.perf_counter()
-                logits = self._execute(batch)
-                changed += self._postprocess(batch, logits, t0, time.perf_counter() - t1)
-            return changed
+            if not batch.scheduled:
+                return StepOutputs(changed)
+            t1 = time.perf_counter()
+            logits = self._execute(batch)
+            changed += self._postprocess(batch, logits, t0, time.perf_counter() - t1)
+            return StepOutputs(changed, self.step_stats[-1], batch.preemptions)
 
     def _schedule(self) -> SchedulerOutput:
         """Who computes which tokens this step, into which slots (blocks are allocated here)."""
         batch = self.scheduler.schedule()
         if not batch.scheduled and self.scheduler.has_unfinished():
-            raise RuntimeError("the scheduler could not schedule anything although requests are pending "
+            raise SchedulerStalled("the scheduler could not schedule anything although requests are pending "
                                f"(waiting {len(self.scheduler.waiting)}, swapped {len(self.scheduler.swapped)}, "
                                f"free blocks {self.bm.num_free_blocks}): this is a bug in minikv")
         return batch
@@ -331,7 +321,7 @@ class LLMEngine:
 
     # -- the landlord's view (read-only; stage 7's live page) ----------------------------------------
     def last_preemptions(self) -> list[Preemption]:
-        """The evictions the last step decided (empty in most steps)."""
+        """The preemptions the last step decided (empty in most steps)."""
         return list(self._preemptions)
 
     def pool_view(self) -> PoolView:
@@ -353,7 +343,7 @@ class LLMEngine:
                   "blocks_used": used, "blocks_cached": sum(cached), "blocks_free": self.num_blocks - used,
                   "preemptions": sched.num_preemptions}
         return PoolView(len(self.step_stats), self.num_blocks, self.block_size, owner, refcount, cached, tenants,
-                        [s.request.request_id for s in sched.waiting], counts)
+                        [s.request.request_id for s in sched.waiting], counts, getattr(self.runner, "pool_bytes", None))
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """After its prompt: the request's other n-1 samples share every block of `seq` (copy-on-write)."""

@@ -27,13 +27,21 @@ from minikv.sampling import SamplingParams
 from minikv.validation import InvalidArgument, InvalidArgumentType
 
 
-def blocks_at_most(prompt_tokens: int, max_tokens: int, block_size: int, max_model_len: int | None = None) -> int:
-    """The most KV blocks one sequence of a request ever holds: every token but the last one sampled
-    has its K/V cached (the last is sampled, never fed back), and nothing past the context."""
+def longest_sequence(prompt_tokens: int, max_tokens: int, max_model_len: int | None = None) -> int:
+    """The most tokens one sequence ever has in the KV cache: every token but the last one sampled (the
+    last is sampled, never fed back), and nothing past the context."""
     longest = prompt_tokens + max_tokens - 1
-    if max_model_len is not None:
-        longest = min(longest, max_model_len)
-    return blocks_for(longest, block_size)
+    return longest if max_model_len is None else min(longest, max_model_len)
+
+
+def blocks_at_most(prompt_tokens: int, max_tokens: int, block_size: int, max_model_len: int | None = None,
+                   n: int = 1) -> int:
+    """The most KV blocks a request of ``n`` samples ever holds: each sample's longest sequence, in blocks.
+
+    The one budget rule: the engine's reserved total (`LLMEngine.stats`), the input checks and an admission
+    policy's ``request["blocks_at_most"]`` all come from here, in this one unit. (Samples share their
+    prompt's full blocks, so this is an upper bound for n > 1, the one admission can count on.)"""
+    return n * blocks_for(longest_sequence(prompt_tokens, max_tokens, max_model_len), block_size)
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,10 @@ class Prompt:
 
 
 class InputProcessor:
-    """Prompts in, checked `Prompt`s out (see the module docstring for the rules)."""
+    """Prompts in, checked `Prompt`s out (see the module docstring for the rules).
+
+    Stateless: it holds the tokenizer and the frozen `EngineLimits`, and changes neither, so it is safe to
+    call from any thread (the server's handlers call it on the event loop while the engine thread steps)."""
 
     def __init__(self, tokenizer, limits: EngineLimits):
         self.tokenizer, self.limits = tokenizer, limits
@@ -84,17 +95,21 @@ class InputProcessor:
             return self._checked(Prompt(None, list(prompt)), prompt, param)
         raise InvalidArgumentType(param, prompt, "a str, a list of token ids or {'prompt_token_ids': [...]}")
 
-    def chat(self, conversation: list[dict], **template_kwargs) -> Prompt:
-        """A conversation (a list of {"role", "content"}) through the tokenizer's chat template."""
+    def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
+        """A conversation (a list of {"role", "content"}) as text, through the tokenizer's chat template."""
         if self.tokenizer is None:
             raise InvalidArgument("tokenizer", None, message="chat needs a tokenizer with a chat template: "
                                   "pass tokenizer=...")
         try:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False,
-                                                      **template_kwargs)
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **template_kwargs)
         except Exception as err:  # a template may refuse a conversation (e.g. roles out of order)
             raise InvalidArgument("messages", conversation, message=f"the chat template refused these messages: "
                                   f"{err}") from None
+
+    def chat(self, conversation: list[dict], **template_kwargs) -> Prompt:
+        """A conversation through the chat template (`render_chat`), tokenized and checked."""
+        text = self.render_chat(conversation, **template_kwargs)
         # the template already wrote any special tokens it wants: do not add them again
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return self._checked(Prompt(text, ids), conversation, "messages")
@@ -148,13 +163,14 @@ class InputProcessor:
                 f"the prompt has {n_prompt} tokens but the whole KV cache pool holds {pool_tokens} "
                 f"({lim.num_blocks} blocks of {lim.block_size}); shorten the prompt or give the cache more memory "
                 "(num_blocks / kv_cache_memory; --num-blocks / --kv-cache-memory)"))
-        need = blocks_at_most(n_prompt, params.max_tokens, lim.block_size, lim.max_model_len)
+        # One sample must fit alone; a request's other samples may wait for it (preemption serializes them).
+        need = blocks_at_most(n_prompt, params.max_tokens, lim.block_size, lim.max_model_len, n=1)
         if need > lim.num_blocks:
             raise InvalidArgument("max_tokens", params.max_tokens, message=(
                 f"this request cannot fit even alone: {n_prompt} prompt + {params.max_tokens} max_tokens need up "
                 f"to {need} blocks of {lim.block_size} tokens, but the pool has {lim.num_blocks}; give the cache "
                 "more memory or lower max_tokens"))
-        longest = min(n_prompt + params.max_tokens - 1, lim.max_model_len)
+        longest = longest_sequence(n_prompt, params.max_tokens, lim.max_model_len)
         if not lim.enable_chunked_prefill and longest > lim.max_num_batched_tokens:
             raise InvalidArgument("max_tokens", params.max_tokens, message=(
                 f"without chunked prefill a sequence of up to {longest} tokens must fit in one step, but "

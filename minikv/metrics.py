@@ -108,6 +108,21 @@ class StepStats:
         return self.prefill_tokens + self.decode_tokens
 
 
+class StepOutputs(list):
+    """What one ``LLMEngine.step()`` did: the `RequestOutput`s that changed (a list, as vLLM's step returns),
+    and the step's own record: ``stats`` (its `StepStats`, None when nothing was scheduled: an idle call,
+    or one that only returned aborts) and ``preemptions`` (the `Preemption`s it decided, usually none)."""
+
+    def __init__(self, outputs=(), stats: StepStats | None = None, preemptions: tuple = ()):
+        super().__init__(outputs)
+        self.stats, self.preemptions = stats, tuple(preemptions)
+
+    @property
+    def ran(self) -> bool:
+        """Whether the step computed anything (a forward ran)."""
+        return self.stats is not None
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of an engine (``LLMEngine.stats()``): plain numbers, taken between steps."""
@@ -183,7 +198,7 @@ def occupancy(steps: list[StepStats]) -> dict[str, list]:
 # -- the landlord's view: who holds which block (stage 7's live page reads only this) ---------------
 @dataclass(frozen=True)
 class Preemption:
-    """One eviction, as the scheduler decided it: whose, how many blocks it gave back, and how."""
+    """One preemption, as the scheduler decided it: whose, how many blocks it gave back, and how."""
     time: float          # perf_counter when it was decided
     request_id: str
     seq_id: int
@@ -226,3 +241,4 @@ class PoolView:
     tenants: list[Tenant]
     waiting: list[str]           # request ids at the door, in the order they will be let in
     counts: dict
+    kv_bytes: int | None = None  # the pool's K and V tensors as allocated (None: a runner that holds none)

@@ -9,6 +9,7 @@
   30 s) and caches a plain ``save_pretrained`` folder; later calls load that in seconds.
 * ``"tiny-random-llama"``: a seeded, randomly initialised 2-layer Llama built from a config.
   Its text is gibberish; its tensors have every shape feature the caches must handle (GQA).
+  `byte_tokenizer()` gives it a tokenizer over bytes, for tests that send text and chats.
 * anything else: a Hugging Face Hub id, loaded when a hub is reachable.
 """
 
@@ -140,6 +141,31 @@ def tiny_random_llama(seed: int = 0, **overrides):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(tiny_llama_config(**overrides))
     return model.eval()
+
+
+# The tiny model's tokenizer. The tiny model has a 256-token vocabulary and no tokenizer: its text is
+# gibberish by design. A server needs one to read a text prompt or apply a chat template, so this builds one
+# in memory (no file, no hub): token id = byte value, except ids 0, 1 and 2, which are the model's pad, BOS
+# and EOS tokens (bytes 0-2 are control characters that text never holds). It is a real `transformers`
+# tokenizer, so `LLM(model, tokenizer=...)` and the server decode exactly alike, invalid UTF-8 included.
+BYTE_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def byte_tokenizer():
+    """A `PreTrainedTokenizerFast` over bytes for the tiny model: 256 ids, <pad>=0, <s>=1, </s>=2, a minimal
+    chat template (tests send it text and chats)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    as_char = bytes_to_unicode()   # GPT-2's byte -> printable character map, which ByteLevel expects
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {as_char[b]: b for b in range(3, 256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   chat_template=BYTE_CHAT_TEMPLATE)
 
 
 def load_model(name: str = SMOLLM2, device: str | torch.device | None = None,

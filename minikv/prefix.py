@@ -88,8 +88,8 @@ class PrefixCache:
     because allocation can take them.
     """
 
-    def __init__(self, allocator: BlockAllocator, enabled: bool = True):
-        self.allocator, self.enabled = allocator, enabled
+    def __init__(self, allocator: BlockAllocator):
+        self.allocator = allocator
         self.num_blocks = allocator.num_blocks
         self.by_hash: dict[int, int] = {}       # hash -> cached block
         self.key_of: dict[int, BlockKey] = {}   # cached block -> its key
@@ -228,7 +228,7 @@ class BlockManager:
         check_num_blocks(self.num_blocks)
         check_block_size(self.block_size)
         self.allocator = self.allocator or BlockAllocator(self.num_blocks)
-        self.cache = PrefixCache(self.allocator, self.enable_prefix_caching)
+        self.cache = PrefixCache(self.allocator)
         self.stats = self.cache.stats
 
     # ---- reading ----
@@ -396,46 +396,3 @@ class BlockManager:
         self.cache.clear()
         for table in self.tables.values():
             table.keys, table.chain_broken = [], True
-
-
-class SwapSpace:
-    """The CPU pool that swapped-out sequences wait in, beside the block manager: capacity in blocks.
-
-    The scheduler decides who goes there (`reserve`) and who comes back; the engine moves the K/V,
-    in the order the scheduler decided it: it stores what ``runner.swap_out`` returned with `put`, and
-    `take`s it back (which frees the room) for ``runner.swap_in``. An aborted swapped sequence's room
-    is `release`d. So the scheduler counts blocks and never touches a tensor."""
-
-    def __init__(self, num_blocks: int):
-        if num_blocks < 0:
-            raise ValueError(f"a swap space of {num_blocks} blocks: give 0 (no swapping) or more")
-        self.num_blocks = num_blocks
-        self.held: dict[int, int] = {}       # seq_id -> blocks reserved for it
-        self.data: dict[int, object] = {}    # seq_id -> its K/V, as the runner's swap_out returned it
-
-    @property
-    def num_used_blocks(self) -> int:
-        return sum(self.held.values())
-
-    def reserve(self, seq_id: int, num_blocks: int) -> bool:
-        """Room for `num_blocks` of `seq_id`'s blocks? Then they are its until `release`."""
-        if self.num_used_blocks + num_blocks > self.num_blocks:
-            return False
-        self.held[seq_id] = num_blocks
-        return True
-
-    def num_held(self, seq_id: int) -> int:
-        return self.held[seq_id]
-
-    def release(self, seq_id: int) -> None:
-        """Give `seq_id`'s room back and forget its data (it was aborted while swapped out)."""
-        self.held.pop(seq_id, None)
-        self.data.pop(seq_id, None)
-
-    def put(self, seq_id: int, data: object) -> None:
-        self.data[seq_id] = data
-
-    def take(self, seq_id: int) -> object:
-        """`seq_id`'s data, for the swap-in; its room is free again."""
-        del self.held[seq_id]
-        return self.data.pop(seq_id)

@@ -30,10 +30,10 @@ otherwise build a dense [T, T] causal mask that means nothing for a flattened ba
 Only the last token of each sequence that samples this step goes through the ``lm_head``
 (``logits_to_keep`` takes their indices): the vocabulary projection is the largest matmul there is.
 
-On the CPU (fp32) the runner also prepacks every ``nn.Linear`` weight once, at start, into oneDNN's
-blocked layout, as vLLM's CPU build does: a step's small-M matmuls then run oneDNN's brgemm kernels
-instead of sgemm on the raw weight (`python -m minikv bench linear` measures the difference). The
-packed copies are swapped in only while :meth:`ModelRunner.execute` runs, so the model the user
+On the CPU (fp32) the runner also prepacks every ``nn.Linear`` weight once, at start, for oneDNN and for
+MKL's packed sgemm (``minikv.speed.linears``): a decode step's few rows take MKL's copy, a prefill's
+oneDNN's, a call of one to three rows eager ``F.linear`` (`python -m minikv bench linear` measures each).
+The packed copies are swapped in only while :meth:`ModelRunner.execute` runs, so the model the user
 passed computes with stock PyTorch everywhere else.
 """
 
@@ -45,15 +45,17 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from minikv.attention import causal_bias
 from minikv.blocks import blocks_for
-from minikv.dispatch import GATHER, AttnGroup, SeqStep, StepPlan, choose_backend, kernel_decode, prompt_attention
+from minikv.dispatch import attend_layer, choose_backend
 from minikv.metrics import SPAN_ATTENTION, SPAN_EXECUTE, SPAN_PLAN, spanned
 from minikv.sizing import cache_shape, kv_bytes_per_block
 from minikv.speed.linears import PackedLinears
 from minikv.speed.malloc import keep_freed_memory
+from minikv.step import GATHER, AttentionBackend, AttnGroup, SeqStep, StepPlan
 from minikv.validation import check_block_size, check_num_blocks
 
-__all__ = ["ATTN_NAME", "ModelRunner", "Runner", "SeqStep", "StepPlan", "paged_attention_forward"]
+__all__ = ["ATTN_NAME", "ModelRunner", "Runner", "paged_attention_forward"]
 
 ATTN_NAME = "minikv_paged"
 
@@ -82,21 +84,11 @@ class Runner(Protocol):
 SCORE_BUDGET = 1 << 22
 
 
-def _bias(q_pos: torch.Tensor, num_keys: int, kv_heads: int, group_size: int) -> torch.Tensor:
-    """[KVH*S, G*Q, num_keys]: 0 where query (at position q_pos) may see the key at that position, else -inf."""
-    key_pos = torch.arange(num_keys, device=q_pos.device)
-    allowed = key_pos[None, None, :] <= q_pos[:, :, None]  # causal, which also stops at each sequence's end
-    bias = torch.zeros(allowed.shape, device=q_pos.device).masked_fill_(~allowed, float("-inf"))
-    # One bias row per (KV head, sequence) x (query head in the group, query) row of the scores,
-    # materialized once per step so every layer adds it inside its matmul (baddbmm).
-    s, q_len = q_pos.shape
-    bias = bias[None, :, None].expand(kv_heads, s, group_size, q_len, num_keys)
-    return bias.reshape(kv_heads * s, group_size * q_len, num_keys)
-
-
 def _build_group(steps: list[SeqStep], offsets: list[int], block_size: int, device, kv_heads: int,
-                 group_size: int, with_kernel_inputs: bool, total_tokens: int) -> AttnGroup:
-    """Index tensors for a set of sequences: a few small Python lists, then vectorized tensor ops."""
+                 group_size: int, total_tokens: int, backend: AttentionBackend = GATHER) -> AttnGroup:
+    """Index tensors for a set of sequences: a few small Python lists, then vectorized tensor ops. A kernel
+    backend's group carries its int32 inputs (block tables, seq_lens), which the kernel reads as they are."""
+    with_kernel_inputs = backend != GATHER
     lens = [len(s.token_ids) for s in steps]
     seq_lens = [s.start_pos + n for s, n in zip(steps, lens)]
     q_len = max(lens)
@@ -114,11 +106,11 @@ def _build_group(steps: list[SeqStep], offsets: list[int], block_size: int, devi
     q_pos = torch.where(valid, starts_t[:, None] + row[None, :], 0)
     s = len(steps)
     if kv_heads * s * group_size * q_len * width * block_size <= SCORE_BUDGET:
-        bias, q_tile = _bias(q_pos, width * block_size, kv_heads, group_size), q_len
-    else:  # a long prefill: the bias, like the scores, is made per tile of queries in _attend
+        bias, q_tile = causal_bias(q_pos, width * block_size, kv_heads, group_size), q_len
+    else:  # a long prefill: the bias, like the scores, is made per tile of queries (attend_gathered)
         bias = None
         q_tile = max(1, SCORE_BUDGET // (kv_heads * s * group_size * width * block_size))
-    group = AttnGroup(
+    return AttnGroup(
         q_index=q_index.flatten(),
         q_valid=None if q_len == 1 else valid.flatten().nonzero().flatten(),
         out_index=q_index[valid],
@@ -127,11 +119,10 @@ def _build_group(steps: list[SeqStep], offsets: list[int], block_size: int, devi
         q_len=q_len,
         q_pos=q_pos,
         q_tile=q_tile,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device) if with_kernel_inputs else None,
         identity=q_len == 1 and offsets == list(range(total_tokens)),
+        backend=backend,
     )
-    if with_kernel_inputs:
-        group.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    return group
 
 
 # What one more attention group costs per layer (a dozen small ops), in gathered blocks' worth of work.
@@ -171,76 +162,6 @@ def split_by_length(seq_lens: list[int], block_size: int, q_lens: list[int] | No
     return [order[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def _scores_softmax_values(q, keys, values, bias, scaling):
-    """softmax(bias + scaling * q k^T) v for [B, rows, D] queries over [B, L, D] keys and values."""
-    # scores = bias + scaling * q @ k^T in one call; softmax in float32 even for half-precision models.
-    scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scaling)
-    probs = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
-    return torch.bmm(probs, values)
-
-
-def _attend(query: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, group: AttnGroup,
-            scaling: float) -> torch.Tensor:
-    """Vectorized paged attention for one group: gather whole blocks, grouped matmuls, masked softmax.
-
-    query [KVH, G, T, D]: the whole step's queries, grouped by the KV head they read.
-    Returns [rows, H, D] for the group's real query rows.
-    The store is head-major ([KVH, blocks, block_size, D]), so gathering a sequence's blocks yields
-    each (KV head, sequence) pair's keys as one contiguous [W*block_size, D] matrix: one copy, and
-    the matmuls read it as it lies. Grouped-query attention without repeating K/V: the G query
-    heads that share a KV head are stacked along the query axis of one matmul.
-    """
-    kv_heads, g, _, head_dim = query.shape
-    s, q_len = group.block_tables.shape[0], group.q_len
-    q = query if group.identity else query[:, :, group.q_index]  # [KVH, G, S*Q, D]
-    # [KVH, G, S, Q, D] -> [KVH, S, G*Q, D]
-    q = q.view(kv_heads, g, s, q_len, head_dim).transpose(1, 2).reshape(kv_heads * s, g * q_len, head_dim)
-    keys = k_store[:, group.block_tables].view(kv_heads * s, -1, head_dim)  # [KVH*S, L, D]
-    values = v_store[:, group.block_tables].view(kv_heads * s, -1, head_dim)
-    if group.bias is not None:
-        out = _scores_softmax_values(q, keys, values, group.bias.to(q.dtype), scaling)  # [KVH*S, G*Q, D]
-    else:  # a long prefill: one tile of queries at a time, each with its own slice of the bias
-        q = q.view(kv_heads * s, g, q_len, head_dim)
-        out = torch.empty_like(q)
-        for t in range(0, q_len, group.q_tile):
-            rows = slice(t, min(t + group.q_tile, q_len))
-            bias = _bias(group.q_pos[:, rows], keys.shape[1], kv_heads, g).to(q.dtype)
-            tile = q[:, :, rows].reshape(kv_heads * s, -1, head_dim)
-            out[:, :, rows] = _scores_softmax_values(tile, keys, values, bias, scaling).view(
-                kv_heads * s, g, -1, head_dim)
-    # -> [S, Q, KVH, G, D] -> [S*Q, H, D]
-    out = out.view(kv_heads, s, g, q_len, head_dim).permute(1, 3, 0, 2, 4).reshape(s * q_len, kv_heads * g, head_dim)
-    return out if group.q_valid is None else out[group.q_valid]
-
-
-def _attention(plan: StepPlan, layer: int, query, key, value, scaling: float) -> torch.Tensor:
-    """One layer's attention over a planned step: store the new K/V, then attend. Returns [1, T, H, D]."""
-    k_store, v_store = plan.k_stores[layer], plan.v_stores[layer]
-    kv_heads, _, _, head_dim = k_store.shape
-    num_heads, num_tokens = query.shape[1], query.shape[2]
-    # 1. Store this step's keys and values at their slots (prefill chunks and decode tokens alike).
-    k_store.view(kv_heads, -1, head_dim).index_copy_(1, plan.slots, key[0].to(k_store.dtype))
-    v_store.view(kv_heads, -1, head_dim).index_copy_(1, plan.slots, value[0].to(v_store.dtype))
-    # 2. Attend through the block tables. Query head h reads KV head h // G.
-    grouped = query[0].view(kv_heads, num_heads // kv_heads, num_tokens, head_dim)
-    if len(plan.groups) == 1 and plan.groups[0].identity and not plan.kernel_groups and not plan.fresh:
-        out = _attend(grouped, k_store, v_store, plan.groups[0], scaling)
-    elif len(plan.kernel_groups) == 1 and plan.kernel_groups[0].identity and not plan.groups and not plan.fresh:
-        out = kernel_decode(query[0].transpose(0, 1), k_store, v_store, plan.kernel_groups[0], scaling)
-    else:
-        out = query.new_empty(num_tokens, num_heads, head_dim)
-        for start, n in plan.fresh:  # a prompt's first chunk sees only itself: causal attention, no cache read
-            rows = slice(start, start + n)
-            out[rows] = prompt_attention(query[:, :, rows], key[:, :, rows], value[:, :, rows], scaling,
-                                         plan.fresh_backend)
-        for group in plan.groups:  # at most six: decodes and prefill chunks, each split by length
-            out[group.out_index] = _attend(grouped, k_store, v_store, group, scaling)
-        for group in plan.kernel_groups:
-            q = query[0, :, group.out_index].transpose(0, 1)  # [S, H, D]
-            out[group.out_index] = kernel_decode(q, k_store, v_store, group, scaling)
-    return out.unsqueeze(0)
-
-
 # The plan of the step a compiled forward is running, per thread (set by ModelRunner._compiled_forward).
 # A compiled graph calls each layer's attention as one opaque operator, which reads the plan from here, as
 # vLLM's attention reads its forward context: the graph never sees a plan's Python structure (its groups,
@@ -253,7 +174,7 @@ def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
                        scaling: float) -> torch.Tensor:
     """:func:`paged_attention_forward` as one operator, for compiled graphs (it writes the layer's K/V store,
     which is not an argument: the graph orders the layers' calls by their data, as it does any operator's)."""
-    return _attention(_COMPILED.plan, layer, query, key, value, scaling)
+    return attend_layer(_COMPILED.plan, layer, query, key, value, scaling)
 
 
 @paged_attention_op.register_fake
@@ -277,7 +198,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
             f"attention '{ATTN_NAME}' runs only inside ModelRunner.execute (it needs the step's block "
             f"tables); set model.config._attn_implementation back to 'sdpa' to use the model alone"
         )
-    return _attention(minikv_plan, module.layer_idx, query, key, value, scaling), None
+    return attend_layer(minikv_plan, module.layer_idx, query, key, value, scaling), None
 
 
 def _no_mask(*args, **kwargs):
@@ -342,7 +263,7 @@ class ModelRunner:
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_heads = text_config.num_attention_heads
         self.attn_backend = choose_backend(self.device, self.dtype, use_kernel, cpu_kernel)
-        # Head-major, so a block gather gives each KV head's keys contiguously (see _attend).
+        # Head-major, so a block gather gives each KV head's keys contiguously (see attend_gathered).
         shape = (self.kv_heads, pool_blocks, block_size, self.head_dim)
         self.k_stores = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_stores = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
@@ -359,6 +280,11 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(self, max_num_seqs, blocks_for(config.max_position_embeddings, block_size),
                                        scratch_block=num_blocks)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the K and V pools as allocated, every layer (what `minikv.sizing` predicts, measured)."""
+        return sum(store.nbytes for store in (*self.k_stores, *self.v_stores))
 
     def _compile(self) -> None:
         """torch.compile the forward (minikv.speed.compile) and compile it now, on one warm-up step."""
@@ -420,15 +346,14 @@ class ModelRunner:
         groups, kernel_groups = [], []
         g = self.num_heads // self.kv_heads
         if decode and self.attn_backend != GATHER:  # a kernel reads each sequence's own length:
-            group = _build_group(decode, decode_at, self.block_size, dev, self.kv_heads, g, True, len(ids))
-            group.backend = self.attn_backend  # no padding to save, so one group
-            kernel_groups.append(group)
+            kernel_groups.append(_build_group(decode, decode_at, self.block_size, dev, self.kv_heads, g, len(ids),
+                                              self.attn_backend))   # no padding to save, so one group
         elif decode:
             # Padding every decode to the longest context would gather (and multiply) mostly padding
             # when lengths differ a lot; split them into up to three groups of similar length.
             for part in split_by_length([s.start_pos + 1 for s in decode], self.block_size):
                 groups.append(_build_group([decode[i] for i in part], [decode_at[i] for i in part],
-                                           self.block_size, dev, self.kv_heads, g, False, len(ids)))
+                                           self.block_size, dev, self.kv_heads, g, len(ids)))
         fresh = [(at, len(s.token_ids)) for s, at in zip(prefill, prefill_at) if s.start_pos == 0]
         prefill_at = [at for s, at in zip(prefill, prefill_at) if s.start_pos > 0]
         prefill = [s for s in prefill if s.start_pos > 0]
@@ -436,7 +361,7 @@ class ModelRunner:
             for part in split_by_length([s.start_pos + len(s.token_ids) for s in prefill], self.block_size,
                                         [len(s.token_ids) for s in prefill]):
                 groups.append(_build_group([prefill[i] for i in part], [prefill_at[i] for i in part],
-                                           self.block_size, dev, self.kv_heads, g, False, len(ids)))
+                                           self.block_size, dev, self.kv_heads, g, len(ids)))
         plan = StepPlan(self.k_stores, self.v_stores, torch.tensor(slots, device=dev), groups, kernel_groups, len(ids),
                         fresh, self.attn_backend)
         return (plan, torch.tensor([ids], device=dev), torch.tensor([positions], device=dev),

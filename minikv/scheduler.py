@@ -16,7 +16,7 @@ sequence next to the single decode token of another. Each step, under a token bu
    headroom lets the running sequences grow into new blocks without an immediate preemption.
 
 Steps 3 and 4 happen only in a step that preempted nobody: memory is short, and a victim let
-back in at once would only be evicted again. Of vLLM's schedulers, V1 has this rule for both (it
+back in at once would only be preempted again. Of vLLM's schedulers, V1 has this rule for both (it
 schedules no waiting request, new or preempted, in a step that preempted); V0's chunked-prefill
 scheduler held back only the swap-ins (step 3) after a preemption and admitted new prefills regardless.
 
@@ -57,23 +57,28 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from minikv.metrics import Preemption
-from minikv.prefix import SwapSpace
 from minikv.sequence import SeqStatus, Sequence
-from minikv.validation import check_long_prefill_token_threshold, check_preemption_mode
 
 
-@dataclass
+class SchedulerStalled(RuntimeError):
+    """Requests are pending but the scheduler scheduled nothing: a policy that never admits anyone, or a
+    bug. (A type, so a caller can tell it from other failures without reading its message.)"""
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"     # or "swap"
-    watermark_blocks: int = 1               # free blocks kept back when admitting (0 = none)
-    swap_blocks: int = 0                    # capacity of the CPU swap pool, in blocks
+    """The scheduler's read-only view of the engine's settings (`EngineConfig.scheduler_config` builds it,
+    with the pool's size; the settings' defaults and checks live there, once)."""
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    preemption_mode: str                 # "recompute" or "swap"
+    watermark_blocks: int                # free blocks kept back when admitting (0 = none)
+    swap_blocks: int                     # capacity of the CPU swap pool, in blocks
     # vLLM V1's knob: the most tokens one request's prefill chunk may take in a step (None or 0: no
     # cap). The step's budget is unchanged, so a long prompt no longer takes a whole step to itself
     # while short prompts still prefill in one go. Needs chunked prefill.
-    long_prefill_token_threshold: int | None = None
+    long_prefill_token_threshold: int | None
 
 
 @dataclass
@@ -115,13 +120,56 @@ class SwapIn:
 BlockOp = CopyBlocks | SwapOut | SwapIn
 
 
+class SwapSpace:
+    """The CPU pool that swapped-out sequences wait in, beside the block manager: capacity in blocks.
+
+    The scheduler decides who goes there (`reserve`) and who comes back; the engine moves the K/V,
+    in the order the scheduler decided it: it stores what ``runner.swap_out`` returned with `put`, and
+    `take`s it back (which frees the room) for ``runner.swap_in``. An aborted swapped sequence's room
+    is `release`d. So the scheduler counts blocks and never touches a tensor."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 0:
+            raise ValueError(f"a swap space of {num_blocks} blocks: give 0 (no swapping) or more")
+        self.num_blocks = num_blocks
+        self.held: dict[int, int] = {}       # seq_id -> blocks reserved for it
+        self.data: dict[int, object] = {}    # seq_id -> its K/V, as the runner's swap_out returned it
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(self.held.values())
+
+    def reserve(self, seq_id: int, num_blocks: int) -> bool:
+        """Room for `num_blocks` of `seq_id`'s blocks? Then they are its until `release`."""
+        if self.num_used_blocks + num_blocks > self.num_blocks:
+            return False
+        self.held[seq_id] = num_blocks
+        return True
+
+    def num_held(self, seq_id: int) -> int:
+        return self.held[seq_id]
+
+    def release(self, seq_id: int) -> None:
+        """Give `seq_id`'s room back and forget its data (it was aborted while swapped out)."""
+        self.held.pop(seq_id, None)
+        self.data.pop(seq_id, None)
+
+    def put(self, seq_id: int, data: object) -> None:
+        self.data[seq_id] = data
+
+    def take(self, seq_id: int) -> object:
+        """`seq_id`'s data, for the swap-in; its room is free again."""
+        del self.held[seq_id]
+        return self.data.pop(seq_id)
+
+
 @dataclass
 class SchedulerOutput:
     """What one step hands the engine: plain data, no reference back to the scheduler."""
     scheduled: list[Scheduled] = field(default_factory=list)
     block_ops: list[BlockOp] = field(default_factory=list)   # to apply, in this order, before the forward
     preempted: list[Sequence] = field(default_factory=list)
-    preemptions: list[Preemption] = field(default_factory=list)  # the same evictions, as records for the page
+    preemptions: list[Preemption] = field(default_factory=list)  # the same preemptions, as records for the page
     prefill_tokens: int = 0
     decode_tokens: int = 0
 
@@ -144,11 +192,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager, swap: SwapSpace | None = None):
         """`swap`: where swapped-out sequences wait (the engine moves their K/V); by default a swap
         space of ``config.swap_blocks`` blocks."""
-        check_preemption_mode(config.preemption_mode)
-        check_long_prefill_token_threshold(config.long_prefill_token_threshold, config.enable_chunked_prefill)
         if swap is not None and not isinstance(swap, SwapSpace):
-            raise TypeError(f"swap must be a minikv.prefix.SwapSpace or None, not {type(swap).__name__} "
-                            "(the scheduler no longer takes a runner: the engine applies its block operations)")
+            raise TypeError(f"swap must be a minikv.scheduler.SwapSpace or None, not {type(swap).__name__}")
         self.config, self.bm = config, block_manager
         self.swap = swap if swap is not None else SwapSpace(config.swap_blocks)
         self.waiting: deque[Sequence] = deque()
@@ -322,7 +367,7 @@ class Scheduler:
     def _make_room(self, seq: Sequence, n: int, step: SchedulerStep) -> int:
         """Tokens of `seq` that can be scheduled now (<= n), preempting others (`choose_victim`) if needed."""
         while True:
-            fit = self._fit(seq, n)   # a prefill chunk shrinks to what fits rather than evict anyone
+            fit = self._fit(seq, n)   # a prefill chunk shrinks to what fits rather than preempt anyone
             if fit:
                 return fit
             victim = self.choose_victim(seq, step)

@@ -5,9 +5,9 @@ import asyncio
 import pytest
 
 from minikv.engine import LLMEngine
+from minikv.models import byte_tokenizer
 from minikv.sampling import SamplingParams
 from minikv.server.engine_loop import EngineLoop
-from minikv.server.tokenizer import byte_tokenizer
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the failure, on purpose

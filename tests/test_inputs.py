@@ -6,8 +6,8 @@ import pytest
 
 from minikv.engine import LLM
 from minikv.inputs import EngineLimits, InputProcessor, Prompt, blocks_at_most
+from minikv.models import byte_tokenizer
 from minikv.sampling import SamplingParams
-from minikv.server.tokenizer import byte_tokenizer
 from minikv.validation import InvalidArgument
 
 LIMITS = EngineLimits(vocab_size=256, max_model_len=64, num_blocks=6, block_size=8, max_num_seqs=4,

@@ -15,7 +15,7 @@ TOO_LONG_FOR_NOW: set[str] = set()
 # The stages' modules (README's stage table) and the subpackages named for their audience.
 STAGE_MODULES = {"sizing", "contiguous", "blocks", "paged", "attention", "dispatch", "prefix", "sequence",
                  "sampling", "detokenizer", "scheduler", "runner", "engine", "metrics", "models", "demo",
-                 "validation", "inputs", "outputs", "config"}
+                 "validation", "inputs", "outputs", "config", "step"}
 SUBPACKAGES = {"bench", "grading", "sim", "viz", "server", "speed", "lessons"}
 
 
@@ -94,7 +94,8 @@ def test_the_cycle_finder_finds_one():
 def test_kernel_and_reference_do_not_import_each_other_both_ways():
     graph = import_graph()
     assert "kernels.paged_attention" not in graph["minikv.attention"]
-    assert graph["minikv.attention"] <= {"minikv.blocks"}, "the reference is a leaf: it needs only stage 3's blocks"
+    assert graph["minikv.attention"] <= {"minikv.blocks", "minikv.step"}, (
+        "the reference is a leaf: it needs only stage 3's blocks and the step contract's types")
 
 
 def test_listing_the_package_shows_the_course():
@@ -162,3 +163,56 @@ def test_only_the_dispatcher_imports_a_kernel_and_speed_does_not_import_the_runn
     assert importers <= {"minikv.dispatch", "minikv.bench.kernel"}, f"choose attention in minikv.dispatch: {importers}"
     speed = {name: deps for name, deps in graph.items() if name.startswith("minikv.speed")}
     assert not any("minikv.runner" in deps for deps in speed.values()), speed
+
+
+# ---- the engine's boundaries ---------------------------------------------------------------------------
+# Nothing outside the engine reads its queues, pool or runner: the demo, the pictures, the grader and the
+# server read `LLMEngine.stats()` (a frozen snapshot), `pool_view()` (the pool block by block) and the step
+# record `step()` returns; a policy is plugged in through `scheduler_cls`, never by replacing
+# `engine.scheduler`; a stalled scheduler is told by its type (`SchedulerStalled`), not by its message.
+ENGINE_INSIDES = {"bm", "scheduler", "runner", "swap", "requests", "step_stats", "output_processor",
+                  "k_pools", "v_pools", "k_stores", "v_stores"}
+OUTSIDE_THE_ENGINE = ["minikv/demo.py", "minikv/viz", "minikv/grading", "minikv/server"]
+
+
+def _is_an_engine(node: ast.AST) -> bool:
+    """`engine`, `eng`, or anything `.engine` (llm.engine, loop.engine, state.engine)."""
+    return (isinstance(node, ast.Name) and node.id in ("engine", "eng")) or (
+        isinstance(node, ast.Attribute) and node.attr == "engine")
+
+
+def test_nothing_outside_the_engine_reads_its_insides():
+    crossings = []
+    for where in OUTSIDE_THE_ENGINE:
+        path = ROOT / where
+        for file in ([path] if path.is_file() else sorted(path.rglob("*.py"))):
+            for node in ast.walk(ast.parse(file.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr in ENGINE_INSIDES and _is_an_engine(node.value):
+                    crossings.append(f"{file.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not crossings, "read the engine through stats(), pool_view() or step()'s record:\n" + "\n".join(crossings)
+
+
+def _engine_messages() -> list[str]:
+    """The string pieces of every exception the engine's modules raise."""
+    pieces = []
+    for name in ("engine", "scheduler", "inputs", "runner", "prefix", "blocks"):
+        for node in ast.walk(ast.parse((ROOT / "minikv" / f"{name}.py").read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                pieces += [c.value for c in ast.walk(node.exc)
+                           if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+    return pieces
+
+
+def test_no_caller_matches_the_engines_error_text():
+    """An engine error is told by its type: no module outside the engine looks for a piece of its message."""
+    messages, matches = _engine_messages(), []
+    for where in OUTSIDE_THE_ENGINE:
+        path = ROOT / where
+        for file in ([path] if path.is_file() else sorted(path.rglob("*.py"))):
+            for node in ast.walk(ast.parse(file.read_text())):
+                if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant)
+                        and isinstance(node.left.value, str) and len(node.left.value) >= 12
+                        and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)
+                        and any(node.left.value in m for m in messages)):
+                    matches.append(f"{file.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not matches, "match the engine's exception by its type, not its text:\n" + "\n".join(matches)

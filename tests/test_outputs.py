@@ -17,11 +17,10 @@ import torch
 
 from minikv.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from minikv.engine import LLM, LLMEngine
-from minikv.models import tiny_random_llama
+from minikv.models import byte_tokenizer, tiny_random_llama
 from minikv.sampling import SamplingParams
 from minikv.server.app import ServerState, create_app
 from minikv.server.engine_loop import EngineLoop
-from minikv.server.tokenizer import byte_tokenizer
 
 PROMPTS = ["Le café est prêt: ", "naïve façade 😀 "]
 

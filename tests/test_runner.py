@@ -5,14 +5,16 @@ Gold reference: the model's own plain forward (sdpa, no cache) on each sequence 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from minikv.blocks import blocks_for
-from minikv.runner import ModelRunner, SeqStep
+from minikv.runner import ModelRunner
 from minikv.sizing import kv_bytes_per_block
+from minikv.step import SeqStep
 
 VOCAB = 256
 
@@ -86,7 +88,7 @@ def test_mixed_step_matches_plain_forward(kind, block_size):
               for i, (seq, (cached, _)) in enumerate(zip(seqs, shapes)) if cached]
     runner.execute(warmup)
     steps = [blocks.step(i, seq[cached:]) for i, (seq, (cached, _)) in enumerate(zip(seqs, shapes))]
-    steps[1].wants_logits = False  # a chunk that is not a prompt's last: no logits row for it
+    steps[1] = dataclasses.replace(steps[1], wants_logits=False)  # a chunk that is not a prompt's last: no logits
     # prompts with nothing cached (and more than one token) attend to themselves by SDPA; the rest by groups
     assert [n for _, n in runner.plan(steps)[0].fresh] == [9, 40]
     logits = runner.execute(steps)

@@ -403,7 +403,7 @@ def test_the_scheduler_decides_block_operations_and_the_engine_applies_them_in_o
     the order it decided them, and the engine applies exactly those, in that order, before the forward."""
     from minikv.scheduler import CopyBlocks, SwapIn, SwapOut
 
-    with pytest.raises(TypeError, match="no longer takes a runner"):
+    with pytest.raises(TypeError, match="swap must be a minikv.scheduler.SwapSpace"):
         Scheduler(make_engine().scheduler.config, make_engine().bm, FakeRunner(24, 4, VOCAB))
     runner = RecordingRunner(24, 4, VOCAB)
     eng = LLMEngine(MODEL, None, num_blocks=24, block_size=4, verbose=False, runner=runner, preemption_mode="swap")

@@ -267,3 +267,57 @@ def test_prompt_token_ids_may_be_a_tensor():
 def test_a_huge_value_is_shown_short():
     with pytest.raises(InvalidArgumentType, match=r"\.\.\. \(a list\)$"):
         SamplingParams(stop=list(range(100)))
+
+
+def test_one_budget_rule_a_policys_request_and_the_reserved_total_agree_for_n_3():
+    """A request of n = 3 samples: the figure an admission policy is shown for it (request_info) is what the
+    engine then counts in its reserved total (stats), and the gate's view after admitting it says the same."""
+    from minikv.engine import LLMEngine
+    from minikv.inputs import blocks_at_most
+    from minikv.server.admission import Gate
+
+    eng = LLMEngine(MODEL, None, num_blocks=64, block_size=4, verbose=False, runner=FakeRunner(64, 4, 256))
+    params = SamplingParams(n=3, max_tokens=9, temperature=1.0, seed=0)
+    seen = []
+
+    class Record:
+        def decide(self, request, state):
+            seen.append((request, dict(state)))
+            return "queue" if not request["held"] else "admit"
+
+    gate = Gate(Record(), eng.block_size, eng.max_model_len)
+    gate.snapshot(eng.stats(history=0), 0, 0.0)
+    assert gate.on_arrival(10, params, queued=0)[0] == "queue"
+    held = type("Add", (), {"request_id": "r", "prompt_tokens": 10, "params": params, "arrival": 0.0})()
+    gate.held.append(held)
+    gate.release(eng.stats(history=0), 1, 0.0, lambda add: eng.add_request("r", list(range(1, 11)), params),
+                 lambda add, why: None)
+    request = seen[0][0]
+    assert request["n"] == 3 and request["blocks_at_most"] == 3 * 5 == blocks_at_most(10, 9, 4, n=3)
+    assert eng.stats().reserved_blocks == request["blocks_at_most"] == gate.view["reserved_blocks"]
+
+
+def test_every_engine_setting_has_a_flag_or_says_why_not():
+    """One settings object: each `EngineConfig` field carries its flag's help, or a stated reason for none."""
+    from dataclasses import fields
+
+    from minikv.config import EngineConfig
+
+    for f in fields(EngineConfig):
+        help_, why = f.metadata.get("help"), f.metadata.get("no_flag")
+        assert help_ or why, f"EngineConfig.{f.name} has neither a flag's help nor a reason for having no flag"
+
+
+def test_the_scheduler_and_input_views_repeat_no_default():
+    """The scheduler's and the input processor's views are derived from EngineConfig: no defaults of their own,
+    and read-only."""
+    import dataclasses
+
+    from minikv.inputs import EngineLimits
+    from minikv.scheduler import SchedulerConfig
+
+    for view in (SchedulerConfig, EngineLimits):
+        assert view.__dataclass_params__.frozen, f"{view.__name__} can be changed after it is built"
+        defaults = [f.name for f in dataclasses.fields(view)
+                    if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING]
+        assert not defaults, f"{view.__name__} repeats defaults of EngineConfig: {defaults}"

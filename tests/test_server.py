@@ -21,8 +21,8 @@ import torch
 
 from minikv.bench.serve import launch_server, parse_metrics, stop_server, wait_healthy
 from minikv.engine import LLM
+from minikv.models import byte_tokenizer
 from minikv.sampling import SamplingParams
-from minikv.server.tokenizer import byte_tokenizer
 
 MODEL = "tiny-random-llama"
 # A small pool (48 blocks of 8 = 384 tokens, under the 512-token context) so that sixteen clients

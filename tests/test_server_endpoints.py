@@ -16,8 +16,8 @@ import pytest
 
 import minikv
 from minikv.bench.serve import launch_server, stop_server, wait_healthy
+from minikv.models import byte_tokenizer
 from minikv.server.cli import CPU_PREFILL_CAP, CPU_STEP_BUDGET
-from minikv.server.tokenizer import byte_tokenizer
 
 KEY = {"Authorization": "Bearer k3y"}
 SERVER = ["--model", "tiny-random-llama", "--threads", "1", "--api-key", "k3y", "--max-request-bytes", "16384"]

@@ -146,8 +146,8 @@ def test_an_internal_error_answers_500_and_closes_the_connection_so_no_next_requ
     from types import SimpleNamespace
 
     from minikv.inputs import EngineLimits, InputProcessor
+    from minikv.models import byte_tokenizer
     from minikv.server.app import ServerState, create_app
-    from minikv.server.tokenizer import byte_tokenizer
 
     def broken_submit(*args, **kwargs):
         raise RuntimeError("a bug")
@@ -155,8 +155,8 @@ def test_an_internal_error_answers_500_and_closes_the_connection_so_no_next_requ
     tokenizer = byte_tokenizer()
     limits = EngineLimits(vocab_size=256, max_model_len=512, num_blocks=64, block_size=16, max_num_seqs=8,
                           max_num_batched_tokens=512, enable_chunked_prefill=True)
-    engine = SimpleNamespace(vocab_size=256, max_model_len=512, input_processor=InputProcessor(tokenizer, limits))
-    app = create_app(ServerState(SimpleNamespace(engine=engine, submit=broken_submit), tokenizer, "m"))
+    loop = SimpleNamespace(inputs=InputProcessor(tokenizer, limits), submit=broken_submit)
+    app = create_app(ServerState(loop, tokenizer, "m"))
 
     async def ask():
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)

@@ -162,7 +162,8 @@ def median_of_runs(run, repeat: int):
 
 def decode_step_times(model, batches=(1, 8, 64, 256), context: int = 512, block_size: int = 16, repeats: int = 20):
     """Seconds per decode step of minikv's runner at each batch size (each sequence `context` tokens deep)."""
-    from minikv.runner import ModelRunner, SeqStep
+    from minikv.runner import ModelRunner
+    from minikv.step import SeqStep
 
     per_seq = math.ceil((context + 1) / block_size)
     runner = ModelRunner(model, per_seq * max(batches), block_size)

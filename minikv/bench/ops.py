@@ -8,11 +8,11 @@ of a step, each as minikv runs it and as vLLM runs it, on the same tensors, alte
   ``MIN_ROWS`` rows) against vLLM's ``onednn_mm`` (its own oneDNN matmul on a weight it packed once);
 * a prompt's attention (its first chunk, which reads only itself): writing its K/V into the paged store
   and causal attention over them, minikv's ``index_copy_`` and its C++ prompt kernel (the fresh-prompt
-  branch of ``minikv.runner._attention``; PyTorch's ``scaled_dot_product_attention``, which it runs without
+  branch of ``minikv.dispatch.attend_layer``; PyTorch's ``scaled_dot_product_attention``, which it runs without
   the kernel, is timed beside) against vLLM's ``cpu_attn_reshape_and_cache`` and
   ``cpu_attention_with_kv_cache``.
 
-A decode step's attention is not here: minikv's (``kernels/``, ``minikv.runner._attend``) needs the
+A decode step's attention is not here: minikv's (``kernels/``, ``minikv.attention.attend_gathered``) needs the
 engine's plan; `bench steps` times decode steps whole. Every timed call runs one
 forward's worth of its operator (each layer's own weights, so a small-row matmul streams them from
 memory as in a step); summed over a forward, the figures say how much of `bench steps`' prefill gap
@@ -156,7 +156,7 @@ def cpu_kernels():
 
 
 def minikv_prompt_attention(q, k, v, scale: float, kernel: bool, block_size: int = 16):
-    """The fresh-prompt branch of ``minikv.runner._attention``: K/V stored at their slots of the head-major
+    """The fresh-prompt branch of ``minikv.dispatch.attend_layer``: K/V stored at their slots of the head-major
     store, then causal attention over this chunk (``minikv.dispatch.prompt_attention``): the C++ kernel
     (``kernel``, the runner's choice on the CPU in fp32 where it builds) or PyTorch's SDPA."""
     tokens, heads, head_dim = q.shape

@@ -11,5 +11,7 @@ The pieces, one idea each, in the order a request meets them:
 * `tokens`: vLLM's small endpoints beside the API (`/tokenize`, `/detokenize`, `/version`);
 * `engine_loop`: the one thread that steps the engine, and how handlers hand it work;
 * `metrics`: Prometheus metrics under vLLM's names with the `minikv:` prefix;
-* `tokenizer`: a byte-level tokenizer for the tiny random test model (which ships none).
+* `admission` and `landlord`: who gets in (429 and `Retry-After`), and the pool drawn live.
+
+(The tiny test model's byte tokenizer is `minikv.models.byte_tokenizer`.)
 """

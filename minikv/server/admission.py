@@ -12,7 +12,8 @@ first, until one answer is ``"queue"`` (nobody overtakes the head of the queue).
 ``state`` are plain dicts (so a policy can run anywhere: in the server, in a simulation, in a
 grader's sandbox):
 
-request: ``prompt_tokens``, ``max_tokens``, ``blocks_at_most`` (blocks it holds at its longest),
+request: ``prompt_tokens``, ``max_tokens``, ``n``, ``blocks_at_most`` (blocks it holds at its longest, all n
+    samples: `minikv.inputs.blocks_at_most`, the unit of ``reserved_blocks`` too),
     ``waited_s`` (seconds since it arrived; 0 on arrival), ``held`` (False on arrival).
 state: ``now_s``, ``running`` (sequences computing), ``waiting`` (in the engine, not computing:
     new or preempted), ``held`` (in this queue), ``queued`` (accepted, no first token yet: what
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from minikv.inputs import blocks_at_most
+from minikv.metrics import EngineStats
 
 log = logging.getLogger("minikv.server")
 DECISIONS = ("admit", "queue", "refuse")
@@ -72,15 +74,14 @@ def normalize(answer, who: str = "decide") -> tuple[str, str]:
 
 
 def request_info(prompt_tokens: int, max_tokens: int, block_size: int, waited_s: float = 0.0,
-                 held: bool = False) -> dict:
-    return {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "waited_s": waited_s, "held": held,
-            "blocks_at_most": blocks_at_most(prompt_tokens, max_tokens, block_size)}
+                 held: bool = False, *, n: int = 1, max_model_len: int | None = None) -> dict:
+    return {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "n": n, "waited_s": waited_s, "held": held,
+            "blocks_at_most": blocks_at_most(prompt_tokens, max_tokens, block_size, max_model_len, n=n)}
 
 
-def engine_state(engine, now_s: float, held: int, queued: int, step_s: float) -> dict:
-    """The state dict of a live `LLMEngine`, from its snapshot (``engine.stats()``, read in the thread that
-    steps it)."""
-    now = engine.stats(history=0)
+def engine_state(now: EngineStats, now_s: float, held: int, queued: int, step_s: float) -> dict:
+    """The state dict of a live `LLMEngine`, from a snapshot of it (``engine.stats()``, taken in the thread
+    that steps it)."""
     return {"now_s": now_s, "running": now.running, "waiting": now.waiting + now.swapped,
             "held": held, "queued": queued, "free_blocks": now.blocks_free, "num_blocks": now.num_blocks,
             "block_size": now.block_size, "reserved_blocks": now.reserved_blocks,
@@ -88,12 +89,13 @@ def engine_state(engine, now_s: float, held: int, queued: int, step_s: float) ->
 
 
 class Gate:
-    """The server's side of a policy. The handler thread asks `on_arrival` (with the last snapshot of
-    the engine, taken by the engine thread after each turn, so a handler never reads the engine while
-    it steps); the engine thread keeps the held requests and asks again in `release`."""
+    """The server's side of a policy. The handler thread asks `on_arrival` with the view of the engine's
+    last snapshot (taken by the engine thread once per step and shared with the metrics and the landlord's
+    feed, so a handler never reads the engine while it steps); the engine thread keeps the held requests and
+    asks again in `release`."""
 
-    def __init__(self, policy: BackPressurePolicy, block_size: int):
-        self.policy, self.block_size = policy, block_size
+    def __init__(self, policy: BackPressurePolicy, block_size: int, max_model_len: int | None = None):
+        self.policy, self.block_size, self.max_model_len = policy, block_size, max_model_len
         self.held: deque = deque()     # the engine loop's held `Add`s: request_id, arrival, prompt_tokens, params
         self.view: dict = {}
         self.t0 = time.perf_counter()
@@ -107,27 +109,38 @@ class Gate:
                 log.exception("the admission policy failed")
                 return "refuse", f"the admission policy failed ({type(err).__name__}: {err})"
 
-    def snapshot(self, engine, queued: int, step_s: float) -> None:
-        self.view = engine_state(engine, time.perf_counter() - self.t0, len(self.held), queued, step_s)
+    def _info(self, prompt_tokens: int, params, waited_s: float = 0.0, held: bool = False) -> dict:
+        return request_info(prompt_tokens, params.max_tokens, self.block_size, waited_s, held, n=params.n,
+                            max_model_len=self.max_model_len)
 
-    def on_arrival(self, prompt_tokens: int, max_tokens: int, queued: int) -> tuple[str, str]:
+    def snapshot(self, now: EngineStats, queued: int, step_s: float) -> None:
+        self.view = engine_state(now, time.perf_counter() - self.t0, len(self.held), queued, step_s)
+
+    def on_arrival(self, prompt_tokens: int, params, queued: int) -> tuple[str, str]:
         state = dict(self.view, queued=queued, held=len(self.held), now_s=time.perf_counter() - self.t0)
         if len(self.held) >= HARD_LIMIT:
             return "refuse", f"{len(self.held)} requests are held already"
-        return self._ask(request_info(prompt_tokens, max_tokens, self.block_size), state)
+        return self._ask(self._info(prompt_tokens, params), state)
 
-    def release(self, engine, queued: int, step_s: float, admit, refuse) -> None:
-        """Ask about each held request, oldest first, until the policy says "queue"."""
+    def release(self, now: EngineStats, queued: int, step_s: float, admit, refuse) -> None:
+        """Ask about each held request, oldest first, until the policy says "queue". `now` is one snapshot
+        of the engine, taken for this call; each admission adds to it what the engine then holds more."""
+        self.snapshot(now, queued, step_s)
         while self.held:
             add = self.held[0]
-            self.snapshot(engine, queued, step_s)
-            info = request_info(add.prompt_tokens, add.params.max_tokens, self.block_size,
-                                time.perf_counter() - add.arrival, held=True)
-            decision, reason = self._ask(info, self.view)
+            info = self._info(add.prompt_tokens, add.params, time.perf_counter() - add.arrival, held=True)
+            state = dict(self.view, held=len(self.held), now_s=time.perf_counter() - self.t0)
+            decision, reason = self._ask(info, state)
             if decision == "queue":
                 return
             self.held.popleft()
-            admit(add) if decision == "admit" else refuse(add, reason)
+            if decision == "admit":
+                admit(add)
+                # the engine now waits on one more request, which reserves its blocks (the one budget rule)
+                self.view["waiting"] += 1
+                self.view["reserved_blocks"] += info["blocks_at_most"]
+            else:
+                refuse(add, reason)
 
     def drop(self, request_id: str):
         """Take a held request out (its client went away); returns its `Add` or None."""

@@ -53,8 +53,9 @@ class ServerState:
     landlord: object = None               # the live page's feed (minikv.server.landlord.Feed)
 
     @property
-    def engine(self):
-        return self.loop.engine
+    def inputs(self):
+        """The engine's input processor: the one piece of the engine a handler uses (it is stateless)."""
+        return self.loop.inputs
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -97,8 +98,8 @@ def create_app(state: ServerState) -> FastAPI:
         _check_key(request, state)
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "minikv", "root": state.model_name,
-                                            "max_model_len": state.engine.max_model_len,
-                                            "vocab_size": state.engine.vocab_size}]}
+                                            "max_model_len": state.inputs.limits.max_model_len,
+                                            "vocab_size": state.inputs.limits.vocab_size}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -173,7 +174,7 @@ async def _serve(request: Request, state: ServerState, kind, request_id: str):
     if req.model is not None and req.model != state.model_name:
         raise APIError(404, f"the model {req.model!r} does not exist here; this server serves "
                             f"{state.model_name!r} (GET /v1/models lists it)", "model")
-    inputs = state.engine.input_processor   # the engine's own door: the same rules as LLM.generate
+    inputs = state.inputs   # the engine's own door: the same rules as LLM.generate
     chat = isinstance(req, ChatCompletionRequest)
     try:
         if chat:

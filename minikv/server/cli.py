@@ -20,9 +20,9 @@ import threading
 
 from minikv.config import EngineConfig, add_engine_args
 
-# Interactive defaults on the CPU (see notebook 06, section 6): a step costs roughly its token count, so
-# the budget and the per-prompt chunk bound the longest pause a running stream sees when a long prompt
-# arrives; on a GPU a step of a few hundred tokens costs about a decode step, and vLLM's defaults stand.
+# Interactive defaults on the CPU (notebooks/deep/06_chunked_prefill.ipynb): a step costs roughly its token
+# count, so the budget and the per-prompt chunk bound the longest pause a running stream sees when a long
+# prompt arrives; on a GPU a step of a few hundred tokens costs about a decode step, and vLLM's defaults stand.
 CPU_STEP_BUDGET = 512
 CPU_PREFILL_CAP = 256
 ENGINE_HELP = {
@@ -110,7 +110,7 @@ def run_server(args) -> int:
             torch.set_num_threads(args.threads)
         model, tokenizer = load_model(args.model)
         if tokenizer is None and ALIASES.get(args.model, args.model) == TINY:
-            from minikv.server.tokenizer import byte_tokenizer
+            from minikv.models import byte_tokenizer
             tokenizer = byte_tokenizer()   # so the tiny test model reads text and chat too
         chosen = config
         if next(model.parameters()).device.type == "cpu" and config.enable_chunked_prefill:   # interactive defaults

@@ -6,7 +6,8 @@ Two sides, and what crosses between them:
   nothing: it puts an `Add` on the *inbox* (a thread-safe `queue.Queue`) and returns an
   `asyncio.Queue`, the request's *outbox*, which the handler awaits. `abort()` puts an `Abort`
   on the inbox. Neither waits for the engine.
-* **The engine thread** owns the `LLMEngine`; nothing else touches it. The server builds the engine on
+* **The engine thread** owns the `LLMEngine`; nothing else touches it (the handlers use only its input
+  processor, `EngineLoop.inputs`, which is stateless and safe from any thread). The server builds the engine on
   that thread too (`EngineLoop.build`), so that it is the one thread of the process that runs torch (see
   "Why one thread runs torch" below). Each turn it drains the
   inbox (`add_request` / `abort_request`), runs one `engine.step()` if any request is live, and
@@ -48,6 +49,10 @@ from dataclasses import asdict, dataclass, field
 from minikv.outputs import SampleDelta
 from minikv.sampling import SamplingParams
 from minikv.server.admission import Gate
+
+# Steps of history in the snapshot taken after each step: the landlord's feed copies the rows it has not seen
+# (one per step; a few more cover a snapshot the feed skipped).
+STATS_HISTORY = 8
 
 
 @dataclass
@@ -149,12 +154,13 @@ class EngineLoop:
 
     def __init__(self, engine, metrics=None, policy=None, landlord=None):
         self.engine, self.metrics = engine, metrics
+        self.inputs = engine.input_processor    # stateless: the handlers may call it from the event loop
         self.landlord = landlord                # the live page's feed (minikv.server.landlord.Feed), if any
         # admission (minikv.server.admission): a policy decides admit / queue / refuse; None: --max-waiting only
-        self.gate = Gate(policy, engine.block_size) if policy is not None else None
+        self.gate = Gate(policy, engine.block_size, engine.max_model_len) if policy is not None else None
         self._step_s = 0.0
         if self.gate is not None:
-            self.gate.snapshot(engine, 0, 0.0)
+            self.gate.snapshot(engine.stats(history=0), 0, 0.0)
         self.inbox: queue.Queue = queue.Queue()
         self._live: dict[str, _Live] = {}       # engine thread only
         self._lock = threading.Lock()           # guards num_queued and accepting (both sides touch them)
@@ -202,10 +208,11 @@ class EngineLoop:
         self._thread.start()
 
     def _read_idle(self) -> None:
+        now = self.engine.stats(history=STATS_HISTORY)
         if self.metrics is not None:
-            self.metrics.after_step(self.engine, live=False, stepped=False)
+            self.metrics.after_step(now, live=False, stepped=False)
         if self.landlord is not None:
-            self.landlord.after_step(self.engine, force=True)
+            self.landlord.after_step(self.engine, now, force=True)
 
     # -- the handler side (event loop thread) ----------------------------------------------------------
     def submit(self, request_id: str, prompt: dict, params: SamplingParams, max_queued: int | None = None,
@@ -216,8 +223,7 @@ class EngineLoop:
                 raise ServerClosing("the server is shutting down")
             kind = "add"
             if self.gate is not None:
-                kind, reason = self.gate.on_arrival(len(prompt["prompt_token_ids"]), params.max_tokens,
-                                                    self.num_queued)
+                kind, reason = self.gate.on_arrival(len(prompt["prompt_token_ids"]), params, self.num_queued)
                 if kind == "refuse":
                     raise OverflowError(reason)
             elif max_queued is not None and self.num_queued >= max_queued:
@@ -260,8 +266,9 @@ class EngineLoop:
                 gate = self.gate
                 if not self._drain_inbox(block=not self._live and not (gate and gate.held)):
                     return
-                if gate is not None and gate.held:
-                    gate.release(self.engine, self.num_queued, self._step_s, self._add, self._refuse_held)
+                if gate is not None and gate.held:   # the inbox changed the engine since the step's snapshot
+                    gate.release(self.engine.stats(history=0), self.num_queued, self._step_s, self._add,
+                                 self._refuse_held)
                     if not self._live:
                         t = time.perf_counter()
                         time.sleep(0.01)   # held requests and an idle engine: ask again in a moment
@@ -271,19 +278,18 @@ class EngineLoop:
                     call, cpu_call = time.perf_counter(), time.thread_time()
                     outputs = self.engine.step()
                     ret, cpu_ret = time.perf_counter(), time.thread_time()
-                    last = self.engine.stats(history=1).last_step
-                    if last is not None and last.time < call:   # nothing was scheduled (only aborts came out)
-                        last = None
+                    last = outputs.stats   # None: nothing was scheduled (only aborts came out)
                     read = time.perf_counter()
                     self._post(outputs, None if last is None else last.step)
                     posted = time.perf_counter()
                     self._step_s = last.duration if last is not None else self._step_s
+                    now = self.engine.stats(history=STATS_HISTORY)   # the step's one snapshot, for every reader
                     if gate is not None:
-                        gate.snapshot(self.engine, self.num_queued, self._step_s)
+                        gate.snapshot(now, self.num_queued, self._step_s)
                     if self.metrics is not None:
-                        self.metrics.after_step(self.engine, bool(self._live))
+                        self.metrics.after_step(now, bool(self._live))
                     if self.landlord is not None:   # throttled inside; the last step before idling always lands
-                        self.landlord.after_step(self.engine, force=not self._live)
+                        self.landlord.after_step(self.engine, now, force=not self._live)
                     end, cpu_end = time.perf_counter(), time.thread_time()
                     if prof is not None and last is not None:   # a step ran: record it
                         prof.add(asdict(last) | {
@@ -351,7 +357,7 @@ class EngineLoop:
                     self._settle(live)
                 self.engine.abort_request(item.request_id)
                 if self.metrics is not None:
-                    self.metrics.after_step(self.engine, bool(self._live), stepped=False)
+                    self.metrics.after_step(self.engine.stats(history=0), bool(self._live), stepped=False)
             elif isinstance(item, Drain):
                 while self.gate is not None and self.gate.held:
                     self._refuse_held(self.gate.held.popleft(), "the server is shutting down", 503)

@@ -40,6 +40,7 @@ from pathlib import Path
 from fastapi import Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
+from minikv.metrics import EngineStats
 from minikv.server.protocol import APIError
 
 PAGE = Path(__file__).with_name("landlord.html")
@@ -65,11 +66,14 @@ class Feed:
         self.streams = 0                                    # open pages (event streams)
 
     # -- the engine thread -----------------------------------------------------------------------
-    def after_step(self, engine, force: bool = False) -> None:
+    def after_step(self, engine, now: EngineStats | None = None, force: bool = False) -> None:
+        """`now`: the engine's snapshot of this step (``engine.stats()`` with a few steps of history), shared
+        with the server's other readers; taken here if not given."""
         # The step record: copied here, on the engine thread, from the frozen snapshot stats() builds;
         # the event loop only reads these plain dicts under the lock. A forced call repeats a step: skip it.
+        now = engine.stats(history=8) if now is None else now
         last = self._steps[-1]["step"] if self._steps else -1
-        rows = [asdict(s) for s in engine.stats(history=8).steps if s.step > last]
+        rows = [asdict(s) for s in now.steps if s.step > last]
         if rows:
             with self._lock:
                 self._steps.extend(rows)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from minikv.metrics import EngineStats
+
 disable_created_metrics()   # no `_created` timestamp series: vLLM's text shows none either
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -54,12 +56,11 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def after_step(self, engine, live: bool, stepped: bool = True) -> None:
-        """Gauges from the engine's snapshot (``engine.stats()``), counters by how much its totals grew.
+    def after_step(self, now: EngineStats, live: bool, stepped: bool = True) -> None:
+        """Gauges from a snapshot of the engine (``engine.stats()``), counters by how much its totals grew.
 
         `stepped`: the engine ran a step since the last call (else the queue gauges keep their values
         while it is live: an abort or a finish between steps changes only the pool)."""
-        now = engine.stats(history=0)
         self.preemptions.inc(now.preemptions - self._preempted)
         if stepped or not live:
             self.running.set(now.running if live else 0)

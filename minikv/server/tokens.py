@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from minikv import __version__
 from minikv.server.protocol import APIError, ChatMessage, load_json
+from minikv.validation import InvalidArgument
 
 
 class _Body(BaseModel):
@@ -73,18 +74,21 @@ def read(kind: type[_Body], raw: bytes) -> _Body:
         raise APIError(400, f"{param}: {msg}" if param else msg, param.split(".")[0] if param else None) from None
 
 
-def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest, tokenizer, max_model_len: int) -> dict:
+def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest, inputs) -> dict:
+    """/tokenize, through the engine's input processor (`minikv.inputs`): its chat template, its tokenizer.
+    The ids are counted, not checked against the context: a client asks in order to know the length."""
+    tokenizer = inputs.tokenizer
     if isinstance(req, TokenizeChatRequest):
         conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=req.add_generation_prompt,
-                                                 continue_final_message=req.continue_final_message, tokenize=False)
-        except Exception as err:  # a template may refuse a conversation (e.g. roles out of order)
-            raise APIError(400, f"the chat template refused these messages: {err}", "messages") from None
+            text = inputs.render_chat(conversation, add_generation_prompt=req.add_generation_prompt,
+                                      continue_final_message=req.continue_final_message)
+        except InvalidArgument as err:
+            raise APIError(400, str(err), "messages") from None
     else:
         text = req.prompt
     ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
-    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+    return {"count": len(ids), "max_model_len": inputs.limits.max_model_len, "tokens": ids,
             "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
 
@@ -110,11 +114,11 @@ def add_routes(app: FastAPI, state, check_key: Callable[[Request, object], None]
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):
-        return tokenize(await body(request, TokenizeCompletionRequest), state.tokenizer, state.engine.max_model_len)
+        return tokenize(await body(request, TokenizeCompletionRequest), state.inputs)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request):
-        return detokenize(await body(request, DetokenizeRequest), state.tokenizer, state.engine.vocab_size)
+        return detokenize(await body(request, DetokenizeRequest), state.tokenizer, state.inputs.limits.vocab_size)
 
     @app.get("/version")
     async def version(request: Request):

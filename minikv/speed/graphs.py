@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from minikv.blocks import blocks_for
-from minikv.dispatch import GATHER, AttnGroup, SeqStep, StepPlan
+from minikv.step import GATHER, AttnGroup, SeqStep, StepPlan
 
 __all__ = ["DecodeGraphPlan", "DecodeGraphs", "graph_batch_sizes"]
 

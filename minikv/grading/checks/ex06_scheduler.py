@@ -47,9 +47,9 @@ from minikv.grading.public.ex06_scheduler import (  # noqa: F401 - the notebook'
     _tiny_model,
     mixed_workload,
     objective,
+    policy_scheduler,
     run_fake,
     tight_workload,
-    use_policy,
 )
 
 MANY = settings(max_examples=200, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)
@@ -233,8 +233,7 @@ def smollm2_under_pressure(admit, victim, max_tokens: int = 10, num_blocks: int 
                                  min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
             gold.append(out[0, len(p):].tolist())
         eng = LLMEngine(model, None, block_size=block_size, num_blocks=num_blocks, watermark=0, verbose=False,
-                        max_num_batched_tokens=32)
-        sched = use_policy(eng, admit, victim)
+                        max_num_batched_tokens=32, scheduler_cls=policy_scheduler(admit, victim))
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         for i, p in enumerate(prompts):
             eng.add_request(str(i), p, params)
@@ -243,7 +242,7 @@ def smollm2_under_pressure(admit, victim, max_tokens: int = 10, num_blocks: int 
             for o in eng.step():
                 if o.finished:
                     got[int(o.request_id)] = list(o.outputs[0].token_ids)
-    return [got[i] for i in range(len(prompts))], gold, sched.num_preemptions, name
+    return [got[i] for i in range(len(prompts))], gold, eng.stats(history=0).preemptions, name
 
 
 def check_smollm2_gives_transformers_tokens(ns):

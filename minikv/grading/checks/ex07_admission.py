@@ -152,10 +152,10 @@ def serve_in_process(policy=None, max_waiting: int = 8, num_blocks: int = 24, ma
     import uvicorn
 
     from minikv.engine import LLMEngine
+    from minikv.models import byte_tokenizer
     from minikv.server.app import ServerState, create_app
     from minikv.server.engine_loop import EngineLoop
     from minikv.server.metrics import ServerMetrics
-    from minikv.server.tokenizer import byte_tokenizer
 
     tok = byte_tokenizer()
     engine = LLMEngine(_tiny_model(), tok, block_size=8, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
@@ -163,7 +163,6 @@ def serve_in_process(policy=None, max_waiting: int = 8, num_blocks: int = 24, ma
     metrics = ServerMetrics("tiny")
     loop = EngineLoop(engine, metrics, policy)
     state = ServerState(loop, tok, "tiny", max_waiting=max_waiting, metrics=metrics)
-    metrics.after_step(engine, live=False, stepped=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -223,7 +222,7 @@ def flood(policy, n: int = 24, max_tokens: int = 12) -> dict:
     with one_torch_thread(), serve_in_process(policy) as (url, engine):
         answers = in_a_fresh_loop(url)
         time.sleep(0.2)
-        in_use = engine.num_blocks - engine.bm.num_free_blocks
+        in_use = engine.stats(history=0).blocks_used
     kinds = [k for k, _ in answers]
     return {"ok": kinds.count("ok"), "refused": kinds.count("refused"), "lost": kinds.count("lost"),
             "blocks_in_use_after": in_use, "first_refusal": next((m for k, m in answers if k == "refused"), None),

@@ -3,7 +3,7 @@ scheduler, a fake-runner driver that measures a policy, the two families of work
 draws, and the scripted scenarios it shows.
 
 Public on purpose: the notebook imports these (``from minikv.grading.public.ex06_scheduler import
-SCENARIOS, objective, run_fake, use_policy``), and a submission's process may read this module. There
+SCENARIOS, objective, run_fake, policy_scheduler``), and a submission's process may read this module. There
 is no reference answer to copy: exercise 06 is a design exercise, graded by invariants and by an
 objective measured against the lecture's baseline (minikv's default policy) on held-out sets of seeds
 (the same at every grading); the checks live in ``minikv/grading/checks/ex06_scheduler.py``.
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import functools
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minikv.blocks import blocks_for
 from minikv.grading.grader import call
-from minikv.scheduler import Scheduler
+from minikv.scheduler import Scheduler, SchedulerStalled
 
 # ---- the seam: a policy as two plain functions ----------------------------------------------
 
@@ -26,15 +26,15 @@ class PolicyScheduler(Scheduler):
     plugged in through the scheduler's public policy hooks (``can_admit``, ``choose_victim``). A hook
     given as None keeps minikv's own rule (the lecture's baseline).
 
-    Records each step's decisions in ``trace`` (request names, not global seq ids, so two engines can
-    be compared) and counts the tokens computed in ``computed``."""
+    Records each step's decisions in its `Record` (request names, not global seq ids, so two engines can
+    be compared) and counts the tokens computed there: the caller keeps the record, so nothing reads the
+    engine's scheduler from outside."""
 
     admit_fn = victim_fn = None   # set on the subclass that `policy_scheduler` makes
+    record: Record                # the same
 
     def __init__(self, config, block_manager, swap=None):
         super().__init__(config, block_manager, swap)
-        self.trace: list[tuple] = []
-        self.computed = 0
 
     def can_admit(self, seq, num_tokens: int, step) -> bool:
         if self.admit_fn is None:
@@ -65,28 +65,26 @@ class PolicyScheduler(Scheduler):
         if n > budget:
             raise AssertionError(f"a step computed {n} tokens, over the budget of {budget}: my_admit admitted a "
                                  "chunk larger than budget_left")
-        self.computed += n
+        self.record.computed += n
         name = lambda s: f"{s.request.request_id}"  # noqa: E731
-        self.trace.append((tuple((name(x.seq), x.start, x.num_tokens) for x in out.scheduled),
+        self.record.trace.append((tuple((name(x.seq), x.start, x.num_tokens) for x in out.scheduled),
                            tuple(name(s) for s in out.preempted)))
         return out
 
 
-def policy_scheduler(admit, victim) -> type[PolicyScheduler]:
-    """A scheduler class with this policy, for ``LLMEngine(..., scheduler_cls=policy_scheduler(admit, victim))``."""
+@dataclass
+class Record:
+    """What a `PolicyScheduler` decided, step by step, and the tokens it had computed."""
+    trace: list[tuple] = field(default_factory=list)   # per step: ((request, start, tokens), ...), (preempted, ...)
+    computed: int = 0
+
+
+def policy_scheduler(admit, victim, record: Record | None = None) -> type[PolicyScheduler]:
+    """A scheduler class with this policy, for ``LLMEngine(..., scheduler_cls=policy_scheduler(admit, victim))``:
+    the one way a policy is plugged in. Its decisions go into `record` (a fresh one if None)."""
     return type("PolicyScheduler", (PolicyScheduler,), {"admit_fn": staticmethod(admit) if admit else None,
-                                                        "victim_fn": staticmethod(victim) if victim else None})
-
-
-def use_policy(engine, admit, victim) -> PolicyScheduler:
-    """Give `engine` (a fresh `LLMEngine`, no request added yet) a scheduler with this policy, built as the
-    engine builds its own (same config, block manager and swap space). A new engine takes
-    ``scheduler_cls=policy_scheduler(admit, victim)`` instead."""
-    if engine.scheduler.has_unfinished():
-        raise ValueError("plug a policy into a fresh engine, before adding requests")
-    old = engine.scheduler
-    engine.scheduler = policy_scheduler(admit, victim)(old.config, old.bm, engine.swap)
-    return engine.scheduler
+                                                        "victim_fn": staticmethod(victim) if victim else None,
+                                                        "record": record if record is not None else Record()})
 
 
 @functools.lru_cache(maxsize=1)
@@ -120,8 +118,7 @@ def run_fake(workload, admit, victim, max_steps: int = 3000) -> Run:
                     enable_prefix_caching=w["caching"], preemption_mode=w["mode"],
                     watermark=0.01 if admit is None else 0, max_num_seqs=w["max_num_seqs"],
                     runner=FakeRunner(w["num_blocks"], w["block_size"], model.config.vocab_size),
-                    scheduler_cls=policy_scheduler(admit, victim))
-    sched = eng.scheduler
+                    scheduler_cls=policy_scheduler(admit, victim, record := Record()))
     for i, (prompt, k) in enumerate(w["requests"]):
         eng.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=k, ignore_eos=True))
     tokens, steps = {}, 0
@@ -134,7 +131,7 @@ def run_fake(workload, admit, victim, max_steps: int = 3000) -> Run:
         except AssertionError:
             raise
         except Exception as err:  # noqa: BLE001 - the block manager refusing an allocation, a stall...
-            if "could not schedule anything" in str(err):
+            if isinstance(err, SchedulerStalled):
                 raise AssertionError(f"the engine stalled at step {steps}: nothing could run and my_admit refused "
                                      f"the head of the waiting queue ({_describe(w)})") from None
             raise AssertionError(f"the engine failed at step {steps} under your policy: {type(err).__name__}: "
@@ -151,7 +148,7 @@ def run_fake(workload, admit, victim, max_steps: int = 3000) -> Run:
             raise AssertionError(f"{_describe(w)}: request r{i} got {tokens.get(f'r{i}')}, the model's tokens are "
                                  f"{gold}: a block was lost or overwritten")
     least = sum(len(p) + k - 1 for p, k in w["requests"])
-    return Run(sched.trace, tokens, sched.num_preemptions, steps, sched.computed - least)
+    return Run(record.trace, tokens, eng.stats(history=0).preemptions, steps, record.computed - least)
 
 
 # ---- the objective: your policy against the lecture's baseline on tight workloads ----------

@@ -75,8 +75,9 @@ def simulate(decide, sc: dict, max_steps: int = 20000) -> dict:
 
     def state() -> dict:
         started = sum(1 for r in recs.values() if r["end"] is None and r["times"])
-        in_engine = len(eng.requests) - started
-        return engine_state(eng, now, len(held), len(held) + max(in_engine, 0), step_s)
+        now_ = eng.stats(history=0)   # one sequence a request here (n = 1)
+        in_engine = now_.running + now_.waiting + now_.swapped - started
+        return engine_state(now_, now, len(held), len(held) + max(in_engine, 0), step_s)
 
     def ask(rid: str, is_held: bool) -> str:
         r = recs[rid]
@@ -113,7 +114,7 @@ def simulate(decide, sc: dict, max_steps: int = 20000) -> dict:
                                  f"refuse (429) sooner ({describe(sc)})")
         if eng.has_unfinished_requests():
             outs = eng.step()
-            st_ = eng.step_stats[-1]
+            st_ = outs.stats if outs.ran else eng.stats(history=1).last_step
             step_s = step_seconds(st_.prefill_tokens, st_.decode_tokens)
             now += step_s
             for o in outs:
@@ -154,7 +155,7 @@ def _totals(recs: dict, eng, longest: int, timeline) -> dict:
             good += r["good"]
     return {"offered": len(recs), "finished": sum(r["end"] in ("length", "stop") for r in recs.values()),
             "refused": sum(r["end"] == "refused" for r in recs.values()), "good": good,
-            "preemptions": eng.scheduler.num_preemptions, "longest_queue": longest, "requests": recs,
+            "preemptions": eng.stats(history=0).preemptions, "longest_queue": longest, "requests": recs,
             "timeline": timeline}
 
 
