@@ -16,8 +16,8 @@ BENCHES = {  # name -> module in minikv.bench exposing cli(argv) -> int
     "engine": "minikv's engine vs transformers generate and its continuous batching, same workload.",
     "serve": "Load test a running `minikv serve` (or one it starts): TTFT, TPOT, ITL, throughput, goodput, "
              "occupancy, preemptions and their latency wobble.",
-    "wobble": "What stalls a served stream: the same Poisson load on four servers, a pool that evicts or never "
-              "does x whole or chunked prefill; the largest gaps and the verdict on 'wobbles are evictions'.",
+    "wobble": "What stalls a served stream: the same Poisson load on four servers, a pool that preempts or never "
+              "does x whole or chunked prefill; the largest gaps, victims paired, and a verdict in words.",
     "steps": "One step's cost, minikv vs vLLM's CPU build (--vllm), shape by shape: a prefill, decode at "
              "batches 1..8; --model depth30 for the fixed cost per step.",
     "linear": "One matmul on SmolLM2's shapes: eager F.linear vs a oneDNN-prepacked weight, M = 1..2048 rows.",

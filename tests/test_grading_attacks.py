@@ -355,7 +355,7 @@ def test_a_check_module_cannot_be_read(tmp_path):
     path = attack_notebook(code, tmp_path, "reader")
     done, _ = grade_cli(path, *LIMITS, repo=copy_repo(tmp_path / "repo"))
     if "the checks readable" in done.stdout:  # the header of a grader without Landlock
-        pytest.skip("this grader has no Landlock: a submission can read the checks (INSTRUCTORS.md)")
+        pytest.skip("this grader has no Landlock: a submission can read the checks (GRADING.md)")
     assert done.returncode != 0 and "(100%)" not in done.stdout, done.stdout
     assert "Landlock" in done.stdout.splitlines()[0], done.stdout  # the header says what kept it out
 

@@ -23,8 +23,8 @@ from minikv.lessons.build import generate_lessons, lesson_path, lesson_sources, 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 MAX_WORDS = 1800
-# Stage 07 is still a measurement report; "Lessons, not reports (2 of 2)" (issue 42) makes them lessons.
-NOT_YET_LESSONS = {"07_landlord"}
+# Every stage is a lesson now (issues 41 and 42); a stage that is still a report would be named here.
+NOT_YET_LESSONS: set[str] = set()
 LESSONS = [p for p in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")) if p.stem not in NOT_YET_LESSONS]
 DEEP_DIVES = sorted((NOTEBOOKS / "deep").glob("*.ipynb"))
 
@@ -98,7 +98,7 @@ CITATION = re.compile(r"seed essays?|seed 00\d|\bthe seed says|\bthe seed ends|\
 def course_texts() -> list[Path]:
     found = [p for folder in ("notebooks", "solutions", "exercises") for p in sorted((ROOT / folder).rglob("*"))
              if p.suffix in (".ipynb", ".md") and ".ipynb_checkpoints" not in p.parts]
-    return found + [ROOT / name for name in ("README.md", "INSTRUCTORS.md", "ANSWERS.md")]
+    return found + [ROOT / name for name in ("README.md", "INSTRUCTORS.md", "ANSWERS.md", "GRADING.md")]
 
 
 @pytest.mark.parametrize("path", course_texts(), ids=lambda p: str(p.relative_to(ROOT)))

@@ -1,6 +1,6 @@
 """How much a submission's process can reach: decided by the grader, per machine, and said in words.
 
-Three layers, each used where the machine offers it (INSTRUCTORS.md lists the guarantees per mode):
+Three layers, each used where the machine offers it (GRADING.md lists the guarantees per mode):
 
 * **a uid of its own** (the grader runs as root and the interpreter is readable by any user): the
   child runs as an unused numeric uid with no groups, so file permissions keep it from writing the
