@@ -562,17 +562,25 @@ def stub(indent: str, hint: str) -> list[str]:
             + [indent + ")"])
 
 
-def make_exercise(solution_nb):
-    """The exercise notebook generated from a solution notebook: solutions stripped, outputs cleared."""
-    nb = copy.deepcopy(solution_nb)
+def strip_notebook(nb, markdown, generated_from: str):
+    """A copy of `nb` with every answer region stripped, outputs cleared, each Markdown cell passed through
+    `markdown` (its links), and where it came from in its metadata: what exercises and lessons share."""
+    nb = copy.deepcopy(nb)
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.source = strip_solutions(cell.source)
             cell.outputs, cell.execution_count = [], None
-        else:  # markdown: the Colab badge opens the exercise, not the answer
-            cell.source = strip_solutions(cell.source).replace("/blob/main/solutions/", "/blob/main/exercises/")
-    nb.metadata.setdefault("minikv", {})["generated_from"] = "solutions/ (run `make exercises` to regenerate)"
+        else:
+            cell.source = markdown(strip_solutions(cell.source))
+    nb.metadata.setdefault("minikv", {})["generated_from"] = generated_from
     return nb
+
+
+def make_exercise(solution_nb):
+    """The exercise notebook generated from a solution notebook: solutions stripped, outputs cleared; the
+    Colab badge opens the exercise, not the answer."""
+    return strip_notebook(solution_nb, lambda md: md.replace("/blob/main/solutions/", "/blob/main/exercises/"),
+                          "solutions/ (run `make exercises` to regenerate)")
 
 
 def exercise_path(solution: Path) -> Path:

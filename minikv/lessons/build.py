@@ -11,14 +11,13 @@ passing. nbval runs both.
 
 from __future__ import annotations
 
-import copy
 import posixpath
 import re
 from pathlib import Path
 
 import nbformat
 
-from minikv.grading.grader import strip_solutions
+from minikv.grading.grader import strip_notebook
 
 REPO = Path(__file__).resolve().parents[2]
 ANSWERS = "answers"   # notebooks/answers/: the lessons' source, answers in
@@ -39,17 +38,9 @@ def rebase_links(markdown: str) -> str:
 
 
 def make_lesson(answers_nb):
-    """The lesson a learner opens, generated from its answers source."""
-    nb = copy.deepcopy(answers_nb)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            cell.source = strip_solutions(cell.source)
-            cell.outputs, cell.execution_count = [], None
-        else:
-            cell.source = rebase_links(strip_solutions(cell.source))
-    nb.metadata.setdefault("minikv", {})["generated_from"] = (
-        f"notebooks/{ANSWERS}/ (edit that copy, then run `make exercises` to regenerate this one)")
-    return nb
+    """The lesson a learner opens, generated from its answers source (the exercises' stripper, links rebased)."""
+    return strip_notebook(answers_nb, rebase_links,
+                          f"notebooks/{ANSWERS}/ (edit that copy, then run `make exercises` to regenerate this one)")
 
 
 def lesson_sources(root: Path = REPO) -> list[Path]:
