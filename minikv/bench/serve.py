@@ -345,7 +345,7 @@ def plot(reports: list[dict], path: str) -> None:
     w = last["wobble"]["per_request"]
     axes[1].scatter([r["preemptions"] for r in w], [r["max_itl_ms"] for r in w], alpha=0.6)
     axes[1].set(xlabel="preemptions of the request", ylabel="largest inter-token gap (ms)",
-                title="who is being evicted: the wobble")
+                title="who is being preempted: the wobble")
     if len(reports) > 1:
         rates = [r["rate"] or float("nan") for r in reports]
         for key, style in (("ttft_ms", "o-"), ("tpot_ms", "s-")):

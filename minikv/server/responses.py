@@ -5,7 +5,7 @@ deltas the engine's output processor made for it (token ids, text with any stop 
 cut, finish reason), exactly what `LLM.generate` returns. `minikv` is our extra field, on a
 response and on the last chunk of a stream: how the request fared inside the engine (preemptions,
 prefix-cache hits, queueing, TTFT), which a client cannot see otherwise; the load generator reads
-it to find the evicted tenants.
+it to find the preempted tenants.
 """
 
 from __future__ import annotations
