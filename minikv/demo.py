@@ -26,7 +26,7 @@ from minikv.sizing import ModelShape, fmt_bytes, format_rows, kv_bill, kv_cache_
 
 BLOCK_SIZE = 16
 SYSTEM_PROMPT = ("You are the landlord of a language-model server. You explain, in one or two plain sentences, "
-                 "how serving works: memory, batching, caching and who gets preempted.")
+                 "how serving works: memory, batching, caching and who gets evicted.")
 QUESTIONS = ["What is a KV cache?", "Why do servers batch requests?", "What is a block table?",
              "Why does memory fragment?", "What happens when memory runs out?", "What is a shared prefix?",
              "Why is decoding slower than reading the prompt?", "What does a GPU do?"]
