@@ -563,8 +563,7 @@ def stub(indent: str, hint: str) -> list[str]:
 
 
 def strip_notebook(nb, markdown, generated_from: str):
-    """A copy of `nb` with every answer region stripped, outputs cleared, each Markdown cell passed through
-    `markdown` (its links), and where it came from in its metadata: what exercises and lessons share."""
+    """`nb` with answers stripped, outputs cleared, Markdown through `markdown` (exercises' and lessons' own)."""
     nb = copy.deepcopy(nb)
     for cell in nb.cells:
         if cell.cell_type == "code":
@@ -577,21 +576,16 @@ def strip_notebook(nb, markdown, generated_from: str):
 
 
 def make_exercise(solution_nb):
-    """The exercise notebook generated from a solution notebook: solutions stripped, outputs cleared; the
-    Colab badge opens the exercise, not the answer."""
+    """The exercise generated from a solution notebook; its Colab badge opens the exercise, not the answer."""
     return strip_notebook(solution_nb, lambda md: md.replace("/blob/main/solutions/", "/blob/main/exercises/"),
                           "solutions/ (run `make exercises` to regenerate)")
-
-
-def exercise_path(solution: Path) -> Path:
-    return solution.parent.parent / "exercises" / solution.name
 
 
 def generate_exercises(root: Path = REPO, check: bool = False) -> list[Path]:
     """Write exercises/ from solutions/. With check=True write nothing and return the stale files."""
     stale = []
     for solution in sorted((root / "solutions").glob("*.ipynb")):
-        target = exercise_path(solution)
+        target = solution.parent.parent / "exercises" / solution.name
         text = nbformat.writes(make_exercise(nbformat.read(str(solution), as_version=4))) + "\n"
         if not target.exists() or target.read_text() != text:
             stale.append(target)
