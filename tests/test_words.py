@@ -79,16 +79,36 @@ def code_units(source: str) -> list[str]:
         tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
     except (tokenize.TokenError, IndentationError, SyntaxError):
         return [m.group(1) for m in re.finditer(r"#(.*)$", source, re.M)]
-    units = []
+    lines, units = source.splitlines(keepends=True), []
+
+    def string(literal: str) -> None:
+        text = re.sub(r"^[rbufRBUF]*('\'\'|\"\"\"|'|\")|('\'\'|\"\"\"|'|\")$", "", literal)
+        if re.match(r"^[rbuRBU]*[fF]", literal):
+            text = re.sub(r"\{[^{}]*\}", " ", text)
+        if len(text.split()) >= 3:
+            units.append(text)
+
+    def between(start, end) -> str:
+        (r0, c0), (r1, c1) = start, end
+        return lines[r0 - 1][c0:c1] if r0 == r1 else lines[r0 - 1][c0:] + "".join(lines[r0:r1 - 1]) + lines[r1 - 1][:c1]
+
+    # Python 3.12 tokenizes an f-string in pieces (FSTRING_START ... FSTRING_END, PEP 701): take its whole text.
+    f_start, f_end = getattr(tokenize, "FSTRING_START", -1), getattr(tokenize, "FSTRING_END", -1)
+    depth, opened = 0, None
     for tok in tokens:
-        if tok.type == tokenize.COMMENT:
+        if tok.type == f_start:
+            opened = tok.start if depth == 0 else opened
+            depth += 1
+        elif tok.type == f_end:
+            depth -= 1
+            if depth == 0:
+                string(between(opened, tok.end))
+        elif depth:
+            continue
+        elif tok.type == tokenize.COMMENT:
             units.append(tok.string.lstrip("#"))
         elif tok.type == tokenize.STRING:
-            text = re.sub(r"^[rbufRBUF]*('''|\"\"\"|'|\")|('''|\"\"\"|'|\")$", "", tok.string)
-            if re.match(r"^[rbuRBU]*[fF]", tok.string):
-                text = re.sub(r"\{[^{}]*\}", " ", text)
-            if len(text.split()) >= 3:
-                units.append(text)
+            string(tok.string)
     return units
 
 
