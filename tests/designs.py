@@ -51,6 +51,14 @@ def _first_fit(slabs, size: int, budget: int) -> int | None:
     return end if budget - end >= size else None
 
 
+def _place(slabs: dict, seq_id, size: int, budget: int) -> bool:
+    """A new slab of `size` at the first hole that fits, if there is one."""
+    offset = _first_fit(slabs.values(), size, budget)
+    if offset is not None:
+        slabs[seq_id] = (offset, size)
+    return offset is not None
+
+
 # ---- 02: contiguous allocators behind MySlabs' seam -------------------------------------------------------------
 
 class _Shipped:
@@ -97,11 +105,7 @@ class ChunkedSlabs:
         free = self.budget - sum(s for _, s in self.slabs.values())
         if self.slabs and free - size < self.keep_free:
             return False
-        offset = _first_fit(self.slabs.values(), size, self.budget)
-        if offset is None:
-            return False
-        self.slabs[seq_id] = (offset, size)
-        return True
+        return _place(self.slabs, seq_id, size, self.budget)
 
     def grow(self, seq_id, live):
         offset, size = self.slabs.pop(seq_id)
@@ -130,12 +134,7 @@ class DoublingSlabs:
         self.budget, self.cap, self.slabs = budget, min(budget, max_seq_len), {}
 
     def admit(self, seq_id, live):
-        size = min(1 << live.bit_length(), self.cap)
-        offset = _first_fit(self.slabs.values(), size, self.budget)
-        if offset is None:
-            return False
-        self.slabs[seq_id] = (offset, size)
-        return True
+        return _place(self.slabs, seq_id, min(1 << live.bit_length(), self.cap), self.budget)
 
     def grow(self, seq_id, live):
         offset, size = self.slabs.pop(seq_id)
