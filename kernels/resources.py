@@ -12,7 +12,7 @@ having many loads in flight, so too many registers per thread (few resident warp
 ``static_resources(configs)`` compiles a list of ``KernelConfig`` and returns one
 ``KernelResources`` per config. Triton decides when it is first imported whether kernels are
 compiled or interpreted, so a process running the interpreter (any machine without CUDA) hands
-the work to a child Python with ``TRITON_INTERPRET=0`` (``python -m kernels.resources``).
+the work to a child Python with ``TRITON_INTERPRET=0`` (``python -m minikv_kernels.resources``).
 Nothing here runs the kernel: these numbers say it compiles and what it holds, not how fast it is.
 """
 
@@ -205,10 +205,10 @@ _COMBINE_CACHE: dict[tuple, dict] = {}
 
 
 def _measure(config: KernelConfig) -> list[KernelResources]:
-    import kernels.paged_attention as pa
+    import minikv_kernels.paged_attention as pa
 
     if pa.INTERPRETED:
-        raise RuntimeError("kernels.paged_attention was imported in interpreter mode; "
+        raise RuntimeError("minikv_kernels.paged_attention was imported in interpreter mode; "
                            "compile in a process started with TRITON_INTERPRET=0")
     dt = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}[config.dtype]
     results = []
@@ -231,9 +231,9 @@ def _measure(config: KernelConfig) -> list[KernelResources]:
 
 
 def _compiles_here() -> bool:
-    """Would kernels.paged_attention, imported (or already imported) in this process, be compiled?"""
-    if "kernels.paged_attention" in sys.modules:
-        return not sys.modules["kernels.paged_attention"].INTERPRETED
+    """Would minikv_kernels.paged_attention, imported (or already imported) in this process, be compiled?"""
+    if "minikv_kernels.paged_attention" in sys.modules:
+        return not sys.modules["minikv_kernels.paged_attention"].INTERPRETED
     if os.environ.get("TRITON_INTERPRET") in ("0", "1"):
         return os.environ["TRITON_INTERPRET"] == "0"
     import torch
@@ -259,7 +259,7 @@ def static_resources(configs: list[KernelConfig], jobs: int | None = None) -> li
         with tempfile.TemporaryFile("w+") as request:
             request.write(json.dumps([asdict(c) for c in share]))
             request.seek(0)
-            children.append(subprocess.Popen([sys.executable, "-m", "kernels.resources"], stdin=request,
+            children.append(subprocess.Popen([sys.executable, "-m", "minikv_kernels.resources"], stdin=request,
                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                              env=env, cwd=repo))
     by_config: dict[KernelConfig, list[KernelResources]] = {}

@@ -17,20 +17,11 @@ Instruments and machinery live in subpackages: ``sim/`` (simulators), ``viz/`` (
 (the engine's CPU and GPU speed levers).
 """
 
-import os
-
-import torch
-
 __version__ = "0.1.0"
 
-# Without a CUDA GPU, Triton runs kernels only under its interpreter, and it reads that switch
-# once, when it is first imported: its own helpers (tl.cdiv, ...) are defined then. PyTorch may
-# import Triton early (torch._dynamo does, and transformers' generate imports that), so the
-# switch is set here, at the first import of minikv. With a GPU nothing changes: kernels compile.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from minikv.engine import LLM, LLMEngine  # noqa: E402  (after the Triton switch above)
+# Importing minikv sets no environment variable: Triton's interpreter (the only way its kernels run without a
+# CUDA GPU) is chosen where the kernels are defined, in minikv_kernels/paged_attention.py.
+from minikv.engine import LLM, LLMEngine  # noqa: E402
 from minikv.sampling import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams"]

@@ -59,7 +59,7 @@ def cpu_kernel_wanted(device: torch.device | str, dtype: torch.dtype, cpu_kernel
                          f"{torch.device(device).type} (pass cpu_kernel=None to use it only where it applies)")
     if not possible:
         return False
-    from kernels import paged_attention_cpu
+    from minikv_kernels import paged_attention_cpu
 
     if paged_attention_cpu.load() is None:
         if cpu_kernel:
@@ -95,7 +95,7 @@ def decode_attention(
         return paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens, scale)
     # Imported here, not at the top: importing the kernel module imports Triton and, without a
     # GPU, switches it to interpreter mode; code that only wants the reference should not pay that.
-    from kernels.paged_attention import paged_attention
+    from minikv_kernels.paged_attention import paged_attention
 
     return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
@@ -107,7 +107,7 @@ def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     (``python -m minikv bench ops`` times both against vLLM's); under any other backend PyTorch's SDPA (its
     flash kernel on the CPU, FlashAttention's on a GPU), which is what transformers' own prefill runs."""
     if backend == CPU_KERNEL:
-        from kernels.paged_attention_cpu import prompt_attention as kernel
+        from minikv_kernels.paged_attention_cpu import prompt_attention as kernel
 
         return kernel(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scaling)
     return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
@@ -119,10 +119,10 @@ def kernel_decode(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
     """A kernel group's decode tokens, by its backend's kernel reading K/V where it lies in the
     head-major store [KVH, blocks, block_size, D]. q [S, H, D] -> [S, H, D]."""
     if group.backend == CPU_KERNEL:
-        from kernels.paged_attention_cpu import paged_decode
+        from minikv_kernels.paged_attention_cpu import paged_decode
 
         return paged_decode(q, k_store, v_store, group.block_tables, group.seq_lens, scaling)
-    from kernels.paged_attention import paged_attention as kernel
+    from minikv_kernels.paged_attention import paged_attention as kernel
 
     # The kernel's layout, [blocks, block_size, KVH, D], as a view of the head-major store (it
     # reads through strides). Inputs were checked when the step was planned; re-checking in every

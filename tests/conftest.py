@@ -11,7 +11,15 @@ import pytest
 # nbval starts keep Jupyter's inline backend, exactly as a learner's do.
 matplotlib.use("Agg")
 
-import minikv  # noqa: F401  first, so Triton's interpreter switch is set before anything imports triton
+import torch  # noqa: E402
+
+# Without a CUDA GPU Triton's kernels run only under its interpreter, which Triton chooses once, when it is
+# imported. The test processes make that choice here, before any test imports Triton (torch.compile and
+# transformers' generate do), since which test runs first in a worker is not known. `import minikv` itself sets
+# nothing (tests/test_kernel.py checks that); minikv_kernels/paged_attention.py sets it where its kernels are
+# defined, and says so when Triton came first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -401,7 +401,7 @@ def test_digest_does_not_flag_what_a_check_imports():
     compared by content, not also by stat as loaded modules. In a fresh process, whatever ran before."""
     code = ("import minikv.grading.integrity as i\n"
             "before = i.snapshot()\n"
-            "import kernels.paged_attention_cpu, minikv.engine\n"
+            "import minikv_kernels.paged_attention_cpu, minikv.engine\n"
             "print(i.changed(before))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr

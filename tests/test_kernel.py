@@ -27,8 +27,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="Triton is not installed: pip install -e '.[kernel]'")
 
-import kernels.paged_attention as kernel_module  # noqa: E402
-from kernels.paged_attention import (  # noqa: E402
+import minikv_kernels.paged_attention as kernel_module  # noqa: E402
+from minikv_kernels.paged_attention import (  # noqa: E402
     INTERPRETED,
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
@@ -236,7 +236,7 @@ def test_kernels_folder_does_not_fool_transformers() -> None:
 import importlib.util, json, sys
 from pathlib import Path
 spec = importlib.util.find_spec("kernels")
-import kernels
+import minikv_kernels
 light = "torch" not in sys.modules and "triton" not in sys.modules
 import torch, transformers
 from transformers.utils.import_utils import is_kernels_available
@@ -294,12 +294,16 @@ def test_kernel_bench_plot_draws_bandwidth_and_overhead() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU Triton compiles; no interpreter switch involved")
-def test_triton_imported_before_the_interpreter_switch_gets_a_clear_error():
+def test_the_kernel_module_chooses_the_interpreter_and_import_minikv_sets_nothing():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    late = subprocess.run([sys.executable, "-c", "import torch._dynamo; import kernels.paged_attention"],
-                          env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
-    assert late.returncode != 0 and "Import minikv first" in late.stderr
-    early = subprocess.run([sys.executable, "-c", "import minikv, torch._dynamo, kernels.paged_attention as k; "
-                            "assert k.INTERPRETED"], env=env, capture_output=True, text=True,
-                           cwd=Path(__file__).resolve().parent.parent)
+    cwd = Path(__file__).resolve().parent.parent
+    plain = subprocess.run([sys.executable, "-c", "import os, minikv; from minikv import LLM; "
+                            "print(os.environ.get('TRITON_INTERPRET'))"], env=env, capture_output=True, text=True, cwd=cwd)
+    assert plain.returncode == 0 and plain.stdout.strip() == "None", plain.stderr or plain.stdout
+    late = subprocess.run([sys.executable, "-c", "import torch._dynamo; import minikv_kernels.paged_attention"],
+                          env=env, capture_output=True, text=True, cwd=cwd)
+    assert late.returncode != 0 and "Import minikv_kernels.paged_attention before anything imports Triton" in late.stderr
+    early = subprocess.run([sys.executable, "-c", "import minikv, minikv_kernels.paged_attention as k, torch._dynamo, os; "
+                            "assert k.INTERPRETED and os.environ['TRITON_INTERPRET'] == '1'"], env=env,
+                           capture_output=True, text=True, cwd=cwd)
     assert early.returncode == 0, early.stderr

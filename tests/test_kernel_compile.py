@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="Triton is not installed: pip install -e '.
 
 import triton  # noqa: E402
 
-from kernels.resources import (  # noqa: E402
+from minikv_kernels.resources import (  # noqa: E402
     MAX_REGISTERS,
     MIN_RESIDENT_WARPS,
     KernelConfig,

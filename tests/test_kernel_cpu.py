@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from kernels import paged_attention_cpu
+from minikv_kernels import paged_attention_cpu
 from minikv.attention import paged_attention_ref, random_paged_inputs
 
 if paged_attention_cpu.load() is None:

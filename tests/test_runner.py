@@ -275,7 +275,7 @@ def test_compiled_decode_step_runs_its_matmuls_on_the_packed_weights():
     (q/k/v with their biases, gate/up), packed_linear for the others."""
     from torch.profiler import profile
 
-    from kernels import paged_attention_cpu
+    from minikv_kernels import paged_attention_cpu
     from minikv.speed.linears import mkl_packing
 
     if paged_attention_cpu.load() is None:
@@ -360,7 +360,7 @@ def test_decode_graph_plan_pads_into_a_scratch_block_and_keeps_the_tokens():
 def test_decode_graphs_run_their_buffers_step_plans_eagerly_on_the_cpu():
     """DecodeGraphs without capture: every decode step goes through the persistent buffers and the step plan
     a graph would be captured on (padding rows in the scratch block), and the tokens stay transformers'."""
-    from kernels import paged_attention_cpu
+    from minikv_kernels import paged_attention_cpu
     from minikv.speed.graphs import DecodeGraphs
 
     if paged_attention_cpu.load() is None:
@@ -386,7 +386,7 @@ def test_decode_graphs_run_their_buffers_step_plans_eagerly_on_the_cpu():
 
 
 def test_engine_decode_graphs_option_keeps_the_tokens():
-    from kernels import paged_attention_cpu
+    from minikv_kernels import paged_attention_cpu
     from minikv.engine import LLM
     from minikv.sampling import SamplingParams
 
@@ -416,7 +416,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_greedy_tokens_equal_generate(kind, cpu_kernel):
     """Both CPU decode paths: the C++ kernel (the default where it builds) and the gather + matmul one."""
-    from kernels import paged_attention_cpu
+    from minikv_kernels import paged_attention_cpu
 
     model = tiny(kind)
     rng = random.Random(1)
@@ -433,7 +433,7 @@ def test_compiled_decode_steps_give_the_same_tokens():
     """compile=True: one graph, compiled at start on a warm-up step (five decodes and a six-token prompt), serves
     every later step without recompiling: prefill chunks, decodes of other batch sizes and table widths, both
     mixed, steps that sample nothing or one row; attention runs outside it, reading each step's plan."""
-    from kernels import paged_attention_cpu
+    from minikv_kernels import paged_attention_cpu
 
     if paged_attention_cpu.load() is None:
         pytest.skip(f"compile=True needs the CPU kernel: {paged_attention_cpu.why_not}")
@@ -456,7 +456,7 @@ def test_compiled_decode_steps_give_the_same_tokens():
 
 def test_cpu_kernel_falls_back_to_the_gather_path_when_it_cannot_be_built(monkeypatch):
     """No compiler (say): the default quietly keeps the gather path; asking for the kernel says why not."""
-    from kernels import paged_attention_cpu
+    from minikv_kernels import paged_attention_cpu
 
     monkeypatch.setattr(paged_attention_cpu, "load", lambda verbose=False: None)
     monkeypatch.setattr(paged_attention_cpu, "why_not", "RuntimeError: no C++ compiler")

@@ -91,7 +91,7 @@ def _scatter_into_blocks(
 def bench_config(batch: int, context: int, dtype: torch.dtype, block_size: int, copy_gbps: float,
                  device: torch.device) -> Row:
     """Check, then time, one (batch, context, dtype) configuration. Skips it if it cannot fit."""
-    from kernels.paged_attention import choose_num_splits, paged_attention, split_plan
+    from minikv_kernels.paged_attention import choose_num_splits, paged_attention, split_plan
 
     row: Row = dict(dtype=str(dtype).removeprefix("torch."), batch=batch, context=context, block_size=block_size)
     elem = torch.finfo(dtype).bits // 8
@@ -268,7 +268,7 @@ def decode_call_bytes(num_heads: int, num_kv_heads: int, head_dim: int, context:
 def static_rows(configs: Sequence[Any], context: int = STATIC_CONTEXT) -> list[Row]:
     """Compile each config for its target (no GPU needed) and return one row per compiled kernel,
     with the bytes a decode call moves and the time a perfect memory-bound kernel would take."""
-    from kernels.resources import static_resources
+    from minikv_kernels.resources import static_resources
     from minikv.sizing import gpu_spec
 
     rows = []
@@ -299,7 +299,7 @@ def print_static_table(rows: Sequence[Row], before: Sequence[Row] = ()) -> None:
     """Registers, spills, shared memory and occupancy per compiled kernel, the first kernel's
     registers, spills and resident warps beside them where known (kernels/resources_before.json),
     and the memory-bound ideal time per GPU."""
-    from kernels.resources import ARCHS
+    from minikv_kernels.resources import ARCHS
 
     old = {_key(r): r for r in before}
     cols = ["model", "gpu", "dtype", "block", "split", "kernel", "warps", "regs", "spill B", "stack B", "smem KiB",
@@ -324,13 +324,13 @@ def print_static_table(rows: Sequence[Row], before: Sequence[Row] = ()) -> None:
 def static_grid(full: bool) -> list[Any]:
     """The configs `--static` compiles: the headline shapes (Llama-3-8B, Llama-3-70B, SmolLM2 at
     block 16, fp16, on sm_75/80/90, unsplit and split) or, with --full, the compile test's grid."""
-    from kernels.resources import full_grid, headline_grid
+    from minikv_kernels.resources import full_grid, headline_grid
 
     return full_grid() if full else headline_grid()
 
 
 def cli_static(args: argparse.Namespace) -> int:
-    from kernels.resources import MAX_REGISTERS
+    from minikv_kernels.resources import MAX_REGISTERS
 
     configs = static_grid(args.full)
     print(f"compiling {len(configs)} configs for their target GPUs (no GPU needed; a few seconds each) ...",
@@ -347,7 +347,7 @@ def cli_static(args: argparse.Namespace) -> int:
 
 def _add_static_numbers(rows: list[Row], dtypes: Sequence[str], block_size: int, device: torch.device) -> None:
     """Put the compiled kernel's registers, spills and occupancy on this card beside each measured row."""
-    from kernels.resources import KernelConfig, static_resources
+    from minikv_kernels.resources import KernelConfig, static_resources
 
     major, minor = torch.cuda.get_device_capability(device)
     arch = 10 * major + minor

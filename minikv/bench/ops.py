@@ -151,7 +151,7 @@ class _Holder(torch.nn.Module):
 def cpu_kernels():
     """minikv's C++ attention kernels (``kernels/paged_attention_cpu.py``), built on first use; None (and the
     module's ``why_not``) where they cannot be built, as the runner then falls back to PyTorch."""
-    module = _minikv_module("kernels.paged_attention_cpu", KERNELS)
+    module = _minikv_module("minikv_kernels.paged_attention_cpu", KERNELS)
     return module if module.load() is not None else None
 
 

@@ -60,7 +60,7 @@ from minikv.grading.checks.run_allocator import (  # part (d), and the helpers t
 
 GRADED = ["MyBlockAllocator", "MyBlockTable", "my_paged_attention", "MyRunAllocator"]
 FORBIDDEN = ["minikv.blocks.BlockAllocator", "minikv.blocks.BlockTable", "minikv.attention.paged_attention_ref",
-             "minikv.paged.PagedKVCache", "kernels.paged_attention.paged_attention",
+             "minikv.paged.PagedKVCache", "minikv_kernels.paged_attention.paged_attention",
              "minikv.grading.public.ex03_paged.FreeListBaseline"]
 
 MANY = settings(max_examples=100, deadline=None, database=None, derandomize=True, report_multiple_bugs=False)

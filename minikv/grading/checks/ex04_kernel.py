@@ -37,7 +37,7 @@ it is the block number that gets widened, nor whether it is widened before the m
 
 Delegation: the kernel and its wrapper may use `minikv.attention.check_paged_attention_inputs` (the
 given wrapper does); `minikv.attention.paged_attention_ref` (used by the given `try_it`, which is not
-graded) and the course's kernel `kernels.paged_attention` are forbidden in graded code (`FORBIDDEN`).
+graded) and the course's kernel `minikv_kernels.paged_attention` are forbidden in graded code (`FORBIDDEN`).
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ from minikv.blocks import blocks_for
 from minikv.grading import NotImplementedYet, call, learner, source_of
 
 GRADED = ["paged_attention_kernel", "exercise_paged_attention"]
-FORBIDDEN = ["minikv.attention.paged_attention_ref", "kernels.paged_attention.paged_attention",
-             "kernels.paged_attention.paged_attention_kernel"]
+FORBIDDEN = ["minikv.attention.paged_attention_ref", "minikv_kernels.paged_attention.paged_attention",
+             "minikv_kernels.paged_attention.paged_attention_kernel"]
 
 # Few examples, no shrinking: each example is a kernel launch under the interpreter (~0.1 s).
 SOME = settings(max_examples=10, deadline=None, database=None, derandomize=True,
