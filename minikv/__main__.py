@@ -20,6 +20,7 @@ BENCHES = {  # name -> module in minikv.bench exposing cli(argv) -> int
               "does x whole or chunked prefill; the largest gaps, victims paired, and a verdict in words.",
     "steps": "One step's cost, minikv vs vLLM's CPU build (--vllm), shape by shape: a prefill, decode at "
              "batches 1..8; --model depth30 for the fixed cost per step.",
+    "roofline": "This host's read bandwidth and fp32 matmul peak, measured in-process, and SmolLM2's step floors.",
     "linear": "One matmul on SmolLM2's shapes: eager F.linear vs a oneDNN-prepacked weight, M = 1..2048 rows.",
     "ops": "A step's heavy operators, minikv's vs vLLM's CPU build's on the same tensors: each linear and a "
            "prompt's attention, summed over a forward.",

@@ -83,6 +83,9 @@ class EngineConfig:
         "a command decides what it prints: serve prints its own start-up line, bench serve its table"))
     prepack_linears: bool | None = setting(
         None, "prepack the linear weights for oneDNN and MKL (default: on the CPU in fp32)", bool)
+    linears: str | None = setting(
+        None, "the linears' path: measured fastest per shape and row count on this host, or one forced (default: "
+              "$MINIKV_LINEAR, else measure)", ("measure", "eager", "onednn", "mkl"))
     cpu_kernel: bool | None = setting(
         None, "C++ attention kernels, decode and prompt (default: on the CPU in fp32, when they build)", bool)
     compile: bool = setting(False, "torch.compile every step, attention outside the graph (default off: minutes "
@@ -108,6 +111,8 @@ class EngineConfig:
         for name in ("prepack_linears", "cpu_kernel"):
             if getattr(self, name) is not None:
                 check_bool(name, getattr(self, name))
+        if self.linears not in (None, "measure", "eager", "onednn", "mkl"):
+            raise InvalidArgument("linears", self.linears, "None, 'measure', 'eager', 'onednn' or 'mkl'")
 
     # -- what the engine derives from it, once the model and the pool are known ------------------------
     def batched_tokens(self, max_model_len: int) -> int:

@@ -102,7 +102,8 @@ class LLMEngine:
     ``long_prefill_token_threshold`` (vLLM V1's name and meaning) caps one request's prefill chunk per
     step, within an unchanged ``max_num_batched_tokens``; None or 0 is no cap. It needs chunked prefill
     (refused without it, as vLLM needs chunked prefill for partial prefills).
-    ``prepack_linears`` (None: on the CPU in fp32) is the runner's weight prepacking (for oneDNN and MKL);
+    ``prepack_linears`` (None: on the CPU in fp32) is the runner's weight prepacking (for oneDNN and MKL), and
+    ``linears`` the path each linear call takes (None: $MINIKV_LINEAR, else measured on this host at start);
     ``cpu_kernel`` (None: on the CPU in fp32, when it builds) its C++ attention (decode, and a prompt's
     first chunk), and ``compile`` (False) its torch.compile of every step (see ModelRunner).
     ``decode_graphs`` (False) runs decode steps through CUDA graphs captured at start, one per batch size
@@ -154,7 +155,8 @@ class LLMEngine:
         scheduler_config = c.scheduler_config(self.num_blocks, self.bytes_per_block, self.max_model_len)
         self.swap = SwapSpace(scheduler_config.swap_blocks)   # where swapped-out K/V waits, beside the pool
         self.runner = runner if runner is not None else ModelRunner(
-            model, self.num_blocks, c.block_size, prepack_linears=c.prepack_linears, cpu_kernel=c.cpu_kernel,
+            model, self.num_blocks, c.block_size, prepack_linears=c.prepack_linears, linears=c.linears,
+            cpu_kernel=c.cpu_kernel,
             compile=c.compile, decode_graphs=c.decode_graphs, max_num_seqs=c.max_num_seqs)
         self.output_processor = OutputProcessor(tokenizer)
         self.input_processor = InputProcessor(tokenizer, c.limits(self.vocab_size, self.max_model_len,
@@ -320,6 +322,11 @@ class LLMEngine:
         self._num_steps += 1
 
     # -- the landlord's view (read-only; stage 7's live page) ----------------------------------------
+    def speed_levers(self) -> str:
+        """What the runner chose for this host, in words: each linear shape's path by row count and how it was
+        chosen (measured, remembered, forced), and the attention backend. `serve` and the benchmarks print it."""
+        return self.runner.describe() if hasattr(self.runner, "describe") else "a custom runner"
+
     def last_preemptions(self) -> list[Preemption]:
         """The preemptions the last step decided (empty in most steps)."""
         return list(self._preemptions)

@@ -230,7 +230,8 @@ class ModelRunner:
     prompt's first chunk goes through its prompt kernel too (elsewhere through PyTorch's SDPA).
 
     The speed levers (``minikv.speed``), each the runner's own:
-    ``prepack_linears=None`` prepacks the linear weights for oneDNN and MKL on the CPU in fp32 (see
+    ``prepack_linears=None`` prepacks the linear weights on the CPU in fp32 and runs each call on the path
+    ``linears`` names, or (None) the one measured fastest on this host for its shape and row count (see
     :class:`PackedLinears`); ``False`` keeps eager ``F.linear``.
     ``compile=True`` runs every step of two tokens or more through ``torch.compile`` (see
     ``minikv.speed.compile``), compiling once here: one to five minutes of start-up on two busy cores for a
@@ -243,7 +244,8 @@ class ModelRunner:
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, *, use_kernel: bool | None = None,
-                 prepack_linears: bool | None = None, cpu_kernel: bool | None = None, compile: bool = False,
+                 prepack_linears: bool | None = None, linears: str | None = None, cpu_kernel: bool | None = None,
+                 compile: bool = False,
                  decode_graphs: bool = False, max_num_seqs: int = 64):
         check_num_blocks(num_blocks)
         check_block_size(block_size)
@@ -270,7 +272,7 @@ class ModelRunner:
         self.k_pools = [store.permute(1, 2, 0, 3) for store in self.k_stores]
         self.v_pools = [store.permute(1, 2, 0, 3) for store in self.v_stores]
         self.bytes_per_block = kv_bytes_per_block(kv_shape, block_size, self.dtype)
-        self.packed = (PackedLinears(model) if PackedLinears.wanted(model, prepack_linears)
+        self.packed = (PackedLinears(model, path=linears) if PackedLinears.wanted(model, prepack_linears)
                        else None)
         self.compiled = self.graphs = None   # both None until built: the compile warm-up runs a step
         if compile:
@@ -280,6 +282,11 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(self, max_num_seqs, blocks_for(config.max_position_embeddings, block_size),
                                        scratch_block=num_blocks)
+
+    def describe(self) -> str:
+        """The speed levers chosen at start, in words (LLMEngine.speed_levers)."""
+        linears = self.packed.describe() if self.packed is not None else "linears: eager F.linear (not prepacked)"
+        return f"attention: {self.attn_backend}; " + linears
 
     @property
     def pool_bytes(self) -> int:

@@ -171,8 +171,8 @@ def test_bad_input_gets_a_clear_error(case: str) -> None:
 
 def test_one_chooser_names_the_backend_from_device_dtype_and_switches() -> None:
     """minikv.dispatch.choose_backend is the one place that picks Triton / the C++ kernel / gather."""
-    from minikv_kernels import paged_attention_cpu
     from minikv.dispatch import choose_backend
+    from minikv_kernels import paged_attention_cpu
 
     assert choose_backend("cpu", torch.float16) == "gather"            # the C++ kernel is fp32 only
     assert choose_backend("cpu", torch.float32, cpu_kernel=False) == "gather"

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from minikv.bench import ops
 from minikv.bench.ops import TorchOps, cli, minikv_linear, minikv_prompt_attention, totals
-from minikv.speed.linears import MIN_ROWS
 
 
 def test_the_command_with_a_stand_in_peer(capsys):
@@ -58,18 +57,18 @@ def test_the_table(capsys):
 
 
 def test_minikvs_linears_route_as_the_engine_does():
-    """The bench times minikv.speed.linears' own forwards: merged siblings on the packed weight from MIN_ROWS
-    rows, each sibling's own F.linear below; either way the joined outputs are F.linear's."""
+    """The bench times minikv.speed.linears' own forwards (merged siblings, each call on the path chosen for its
+    rows): the siblings' outputs, whatever the path, are F.linear's at a decode's and a prefill's rows."""
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, 48, generator=gen) for n in (32, 16, 16)]
     forward = minikv_linear(weights)
     joined = torch.cat(weights)
     with torch.inference_mode():
-        few = torch.randn(MIN_ROWS - 1, 48, generator=gen)
-        assert [tuple(o.shape) for o in forward(few)] == [(MIN_ROWS - 1, n) for n in (32, 16, 16)]
-        assert torch.equal(torch.cat(forward(few), -1), torch.cat([F.linear(few, w) for w in weights], -1))
-        many = torch.randn(40, 48, generator=gen)
-        torch.testing.assert_close(torch.cat(forward(many), -1), F.linear(many, joined), rtol=1e-5, atol=1e-5)
+        for rows in (1, 3, 40):
+            x = torch.randn(rows, 48, generator=gen)
+            out = forward(x)
+            assert [tuple(o.shape) for o in out] == [(rows, n) for n in (32, 16, 16)]
+            torch.testing.assert_close(torch.cat(out, -1), F.linear(x, joined), rtol=1e-5, atol=1e-5)
 
 
 def test_minikvs_prompt_attention_is_causal_attention():

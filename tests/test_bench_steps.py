@@ -251,7 +251,7 @@ def test_a_decode_step_lost_in_the_noise_is_said(monkeypatch, capsys):
     import minikv.bench.steps as steps
 
     monkeypatch.setattr(steps, "load", lambda name: (SimpleNamespace(config=SimpleNamespace(vocab_size=1024)), None))
-    monkeypatch.setattr(steps, "minikv_run", lambda model, tokenizer, compile=False: lambda prompts, n: 0.01)
+    monkeypatch.setattr(steps, "minikv_run", lambda model, tokenizer, **levers: lambda prompts, n: 0.01)
     assert cli(["--model", "depth30", "--batches", "1", "--steps", "3", "--repeat", "1", "--json"]) == 0
     out = capsys.readouterr()
     assert json.loads(out.out)["samples"]["minikv"]["decode_b1"] == [0.0]

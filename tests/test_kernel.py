@@ -28,6 +28,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="Triton is not installed: pip install -e '.[kernel]'")
 
 import minikv_kernels.paged_attention as kernel_module  # noqa: E402
+from minikv import dispatch  # noqa: E402
+from minikv.attention import PagedInputs, gather_kv, paged_attention_ref, random_paged_inputs  # noqa: E402
 from minikv_kernels.paged_attention import (  # noqa: E402
     INTERPRETED,
     MAX_SPLITS,
@@ -35,8 +37,6 @@ from minikv_kernels.paged_attention import (  # noqa: E402
     choose_num_splits,
     paged_attention,
 )
-from minikv import dispatch  # noqa: E402
-from minikv.attention import PagedInputs, gather_kv, paged_attention_ref, random_paged_inputs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -298,12 +298,14 @@ def test_the_kernel_module_chooses_the_interpreter_and_import_minikv_sets_nothin
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cwd = Path(__file__).resolve().parent.parent
     plain = subprocess.run([sys.executable, "-c", "import os, minikv; from minikv import LLM; "
-                            "print(os.environ.get('TRITON_INTERPRET'))"], env=env, capture_output=True, text=True, cwd=cwd)
+                            "print(os.environ.get('TRITON_INTERPRET'))"],
+                           env=env, capture_output=True, text=True, cwd=cwd)
     assert plain.returncode == 0 and plain.stdout.strip() == "None", plain.stderr or plain.stdout
     late = subprocess.run([sys.executable, "-c", "import torch._dynamo; import minikv_kernels.paged_attention"],
                           env=env, capture_output=True, text=True, cwd=cwd)
-    assert late.returncode != 0 and "Import minikv_kernels.paged_attention before anything imports Triton" in late.stderr
-    early = subprocess.run([sys.executable, "-c", "import minikv, minikv_kernels.paged_attention as k, torch._dynamo, os; "
-                            "assert k.INTERPRETED and os.environ['TRITON_INTERPRET'] == '1'"], env=env,
+    assert late.returncode != 0
+    assert "Import minikv_kernels.paged_attention before anything imports Triton" in late.stderr
+    early = subprocess.run([sys.executable, "-c", "import minikv, minikv_kernels.paged_attention as k, torch._dynamo, "
+                            "os; assert k.INTERPRETED and os.environ['TRITON_INTERPRET'] == '1'"], env=env,
                            capture_output=True, text=True, cwd=cwd)
     assert early.returncode == 0, early.stderr

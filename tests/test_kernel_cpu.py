@@ -12,8 +12,8 @@ import itertools
 import pytest
 import torch
 
-from minikv_kernels import paged_attention_cpu
 from minikv.attention import paged_attention_ref, random_paged_inputs
+from minikv_kernels import paged_attention_cpu
 
 if paged_attention_cpu.load() is None:
     pytest.skip(f"the CPU kernel could not be built here: {paged_attention_cpu.why_not}", allow_module_level=True)

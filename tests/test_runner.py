@@ -14,6 +14,7 @@ import torch
 from minikv.blocks import blocks_for
 from minikv.runner import ModelRunner
 from minikv.sizing import kv_bytes_per_block
+from minikv.speed.linears import mkl_packing
 from minikv.step import SeqStep
 
 VOCAB = 256
@@ -132,32 +133,30 @@ def test_prepacked_linears_are_swapped_in_only_while_executing():
     assert ModelRunner(model, 16, 16, prepack_linears=False).packed is None
 
 
-def test_a_decode_of_up_to_three_sequences_runs_eager_matmuls_with_the_plain_forward_logits(monkeypatch):
-    """Matmuls of fewer than four rows (a decode of up to three sequences) run eager F.linear on every linear
-    under 10^7 weights (MKL's sgemm streams a weight faster than oneDNN's packed kernel there); four rows,
-    none. Logits stay the model's."""
+PATHS = ["eager", "onednn"] + (["mkl"] if mkl_packing() else [])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_forced_linear_path_gives_the_plain_forward_logits(monkeypatch, path):
+    """linears="eager" runs every matmul on F.linear, "onednn" and "mkl" none (each on its packed copy); each
+    gives the model's own logits (fp32, another summation order)."""
     model = tiny("qwen2")
     rng = random.Random(5)
     blocks = Blocks(num_blocks=16, block_size=16)
-    runner = ModelRunner(model, 16, 16)
+    runner = ModelRunner(model, 16, 16, linears=path)
     prompts = [random_tokens(rng, n) for n in (20, 9, 12, 5)]
     runner.execute([blocks.step(i, p[:-1], wants_logits=False) for i, p in enumerate(prompts)])
     eager = []
     real_linear = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: eager.append(a[1].shape) or real_linear(*a, **k))
-    logits = runner.execute([blocks.step(0, prompts[0][-1:]), blocks.step(1, prompts[1][-1:]),
-                             blocks.step(2, prompts[2][-1:])])   # three sequences, one token each: three rows
-    three_rows, eager[:] = list(eager), []
-    four = runner.execute([blocks.step(i, [p[-1]]) for i, p in enumerate(prompts)])   # four rows
+    logits = runner.execute([blocks.step(i, p[-1:]) for i, p in enumerate(prompts)])
     monkeypatch.undo()
     layers = model.config.num_hidden_layers
-    # q k v o gate up down per layer, and this tiny model's lm_head (a real vocabulary's stays packed)
-    assert len(three_rows) == 7 * layers + 1
-    assert eager == []   # four rows: every linear on its packed (or merged) weight
-    for i in range(3):
+    # q k v o gate up down per layer, and this tiny model's lm_head
+    assert len(eager) == (7 * layers + 1 if path == "eager" else 0)
+    assert {p.how for p in runner.packed.plans.values()} == {"forced"}
+    for i in range(4):
         torch.testing.assert_close(logits[i], plain_last_logits(model, prompts[i]), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(four[3], plain_last_logits(model, prompts[3]), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(four[0], plain_last_logits(model, prompts[0] + prompts[0][-1:]), atol=1e-5, rtol=1e-5)
 
 
 def test_runners_of_one_model_share_its_packed_weights_until_a_weight_changes():
@@ -176,31 +175,31 @@ def test_runners_of_one_model_share_its_packed_weights_until_a_weight_changes():
     torch.testing.assert_close(logits, plain_last_logits(model, [1, 5, 9]), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 31, 32, 33, 200])
-def test_merged_siblings_are_bitwise_their_separate_matmuls(rows):
-    """q/k/v (with biases) and gate/up run as one matmul each: every slice is exactly the separate call's
-    (fewer than four rows run each sibling's eager F.linear)."""
+def test_merged_siblings_are_bitwise_their_separate_matmuls(rows, path):
+    """q/k/v (with biases) and gate/up run as one matmul each: every slice is exactly the separate call's on the
+    same path (on the eager path each sibling runs its own F.linear)."""
     from minikv.speed.linears import _packed
 
     model = tiny("qwen2")
-    runner = ModelRunner(model, 16, 16)
+    runner = ModelRunner(model, 16, 16, linears=path)
     layer = model.model.layers[1]
     x = torch.randn(rows, model.config.hidden_size)
     for group in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                   (layer.mlp.gate_proj, layer.mlp.up_proj)):
         merged = [runner.packed.forwards[m](x) for m in group]   # the first computes all, the others slice
-        for m, out in zip(group, merged):   # under four rows: each sibling's own eager F.linear, not merged
-            alone = (torch.nn.functional.linear(x, m.weight, m.bias) if rows < 4
-                     else _packed(m).linear(x, m.bias))
+        for m, out in zip(group, merged):
+            alone = (torch.nn.functional.linear(x, m.weight, m.bias) if path == "eager"
+                     else _packed(m).run(path, x, m.bias))
             assert torch.equal(out, alone)
 
 
-@pytest.mark.parametrize("rows", [4, 5, 8, 13, 16, 31, 32, 48, 200])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 13, 16, 31, 32, 48, 200])
 @pytest.mark.parametrize("shape", [(576, 576), (960, 576), (576, 1536), (100, 64)])
-def test_packed_linear_is_f_linear_at_every_row_count(rows, shape):
-    """From MIN_ROWS to MKL_ROWS rows (a decode step's) Packed.linear is MKL's packed sgemm on a copy packed once
-    for any row count, from MKL_ROWS rows oneDNN's: F.linear's result to within rounding (with a bias, on a
-    [1, T, K] input, as the model calls it), for row counts other than the one MKL's copy was packed for."""
+def test_every_path_is_f_linear_at_every_row_count(rows, shape):
+    """Each path of Packed is F.linear's result to within rounding (with a bias, on a [1, T, K] input, as the
+    model calls it), MKL's for row counts other than the one its copy was packed for."""
     from minikv.speed.linears import Packed
 
     gen = torch.Generator().manual_seed(rows)
@@ -208,10 +207,12 @@ def test_packed_linear_is_f_linear_at_every_row_count(rows, shape):
     x = torch.randn(1, rows, shape[1], generator=gen)
     packed = Packed(weight)
     with torch.inference_mode():
-        got, want = packed.linear(x, bias), torch.nn.functional.linear(x, weight, bias)
-    assert got.shape == (1, rows, shape[0])
-    # outputs of order sqrt(K) (up to ~40 here): a few ulp of them
-    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-5)
+        want = torch.nn.functional.linear(x, weight, bias)
+        for path in packed.paths:
+            got = packed.run(path, x, bias)
+            assert got.shape == (1, rows, shape[0])
+            # outputs of order sqrt(K) (up to ~40 here): a few ulp of them
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-5)
 
 
 def test_a_merged_sibling_given_another_input_computes_its_own():
@@ -247,24 +248,25 @@ def test_packed_linear_operator_is_the_linear_on_the_current_packed_weight():
         torch.testing.assert_close(packed_linear(x, proj.weight, None), x @ proj.weight.T, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows", [2, 5])
-def test_merged_linear_operator_is_the_siblings_side_by_side(rows):
+def test_merged_linear_operator_is_the_siblings_side_by_side(rows, path):
     """The compiled graph's operator for sibling linears: their outputs side by side, bitwise the eager merged
-    path's (fewer than four rows: each sibling's F.linear), never on a stale packed copy."""
+    path's on the active plan's path, never on a stale packed copy."""
     from minikv.speed.linears import merged_linear
 
     model = tiny("qwen2")
-    runner = ModelRunner(model, 16, 16)   # packs the merged siblings
+    runner = ModelRunner(model, 16, 16, linears=path)   # packs the merged siblings
     attn = model.model.layers[0].self_attn
     group = (attn.q_proj, attn.k_proj, attn.v_proj)
     x = torch.randn(rows, attn.q_proj.in_features)
     args = (x, [m.weight for m in group], [m.bias for m in group])
-    with torch.inference_mode():
+    with torch.inference_mode(), runner.packed.active():
         assert torch.equal(merged_linear(*args), torch.cat([runner.packed.forwards[m](x) for m in group], -1))
     torch.library.opcheck(merged_linear, args, test_utils=("test_schema", "test_faketensor"))
     with torch.no_grad():
         attn.k_proj.weight.mul_(2)   # in place: the operator must not use the old merged copy
-    with torch.inference_mode():
+    with torch.inference_mode(), runner.packed.active():
         torch.testing.assert_close(merged_linear(*args), torch.cat(
             [torch.nn.functional.linear(x, m.weight, m.bias) for m in group], -1), atol=1e-5, rtol=1e-5)
 
@@ -276,14 +278,14 @@ def test_compiled_decode_step_runs_its_matmuls_on_the_packed_weights():
     from torch.profiler import profile
 
     from minikv_kernels import paged_attention_cpu
-    from minikv.speed.linears import mkl_packing
 
     if paged_attention_cpu.load() is None:
         pytest.skip(f"compile=True needs the CPU kernel: {paged_attention_cpu.why_not}")
     model = tiny("qwen2")
-    runner = ModelRunner(model, 64, 16, compile=True)
+    path = "mkl" if mkl_packing() else "onednn"
+    runner = ModelRunner(model, 64, 16, compile=True, linears=path)
     blocks = Blocks(64, 16)
-    for i in range(5):   # five sequences: a step of four rows or more runs every matmul packed
+    for i in range(5):
         runner.execute([blocks.step(i, [1] + [5 + i] * 20)])
     steps = [blocks.step(i, [7]) for i in range(5)]
     before = runner.compiled.steps
@@ -294,8 +296,8 @@ def test_compiled_decode_step_runs_its_matmuls_on_the_packed_weights():
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     layers = model.config.num_hidden_layers
     assert "minikv_speed::merged_linear" in calls
-    # 7 linears a layer: 2 merged + 2; five rows are a decode step's, under MKL_ROWS: MKL's packed sgemm
-    packed_op = "mkl::_mkl_linear" if mkl_packing() else "mkldnn::_linear_pointwise"
+    # 7 linears a layer: 2 merged + 2, each on the forced path's packed copy
+    packed_op = "mkl::_mkl_linear" if path == "mkl" else "mkldnn::_linear_pointwise"
     assert calls.get(packed_op) == linears - 3 * layers
     logits = runner.execute([blocks.step(i, [9]) for i in range(5)])
     for i in range(5):
@@ -360,8 +362,8 @@ def test_decode_graph_plan_pads_into_a_scratch_block_and_keeps_the_tokens():
 def test_decode_graphs_run_their_buffers_step_plans_eagerly_on_the_cpu():
     """DecodeGraphs without capture: every decode step goes through the persistent buffers and the step plan
     a graph would be captured on (padding rows in the scratch block), and the tokens stay transformers'."""
-    from minikv_kernels import paged_attention_cpu
     from minikv.speed.graphs import DecodeGraphs
+    from minikv_kernels import paged_attention_cpu
 
     if paged_attention_cpu.load() is None:
         pytest.skip(f"decode graphs need a decode kernel: {paged_attention_cpu.why_not}")
@@ -386,9 +388,9 @@ def test_decode_graphs_run_their_buffers_step_plans_eagerly_on_the_cpu():
 
 
 def test_engine_decode_graphs_option_keeps_the_tokens():
-    from minikv_kernels import paged_attention_cpu
     from minikv.engine import LLM
     from minikv.sampling import SamplingParams
+    from minikv_kernels import paged_attention_cpu
 
     if paged_attention_cpu.load() is None:
         pytest.skip(f"decode graphs need a decode kernel: {paged_attention_cpu.why_not}")

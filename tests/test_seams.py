@@ -164,6 +164,7 @@ LLM_BAD = [  # (argument, bad value, words)
     ("runner", "fast", "runner must be None or a model runner"),
     ("verbose", "loud", "verbose must be True or False"),
     ("prepack_linears", "yes", "prepack_linears must be True or False"),
+    ("linears", "fastest", "linears must be None, 'measure', 'eager', 'onednn' or 'mkl'; got 'fastest'"),
     ("cpu_kernel", 1, "cpu_kernel must be True or False"),
     ("compile", "yes", "compile must be True or False"),
     ("decode_graphs", 1, "decode_graphs must be True or False"),

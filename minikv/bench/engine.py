@@ -297,6 +297,8 @@ def cli(argv: list[str] | None = None) -> int:
                         help="also run vLLM's CPU build (.venv-vllm, from `make vllm`) in a subprocess")
     parser.add_argument("--ablate", action="store_true",
                         help="also run minikv with each speed lever switched off, back to back (what each is worth)")
+    parser.add_argument("--linears", choices=["measure", "eager", "onednn", "mkl"], default=None,
+                        help="minikv's linear path (default: $MINIKV_LINEAR, else measured fastest on this host)")
     parser.add_argument("--compile", action="store_true",
                         help="also run minikv with compile=True (torch.compile of every step; its start-up printed)")
     parser.add_argument("--decode-graphs", action="store_true",
@@ -350,7 +352,8 @@ def cli(argv: list[str] | None = None) -> int:
             "continuous": lambda: run_continuous(model, requests, pad)}
     warmups = {"static": lambda: run_static(model, warmup, pad),
                "continuous": lambda: run_continuous(model, warmup, pad)}
-    minikv_args = {"minikv": {}, **({"minikv+compile": {"compile": True}} if args.compile else {}),
+    minikv_args = {"minikv": {"linears": args.linears},
+                   **({"minikv+compile": {"compile": True, "linears": args.linears}} if args.compile else {}),
                    **({"minikv+graphs": {"decode_graphs": True}} if args.decode_graphs else {})}
     last_llm = {}
 
@@ -399,6 +402,7 @@ def cli(argv: list[str] | None = None) -> int:
 
     reference = "static" if "static" in outputs else ("continuous" if "continuous" in outputs else None)
     report = {"model": args.model, "device": str(model.device), "requests": n, "seed": args.seed,
+              "levers": last_llm["minikv"].engine.speed_levers() if "minikv" in last_llm else None,
               "useful_tokens": useful, "systems": results}
     if "minikv" in results:
         for other in ("static", "continuous"):
@@ -469,6 +473,8 @@ def cli(argv: list[str] | None = None) -> int:
                   f"{report['vllm_identical_to_transformers']} of {n}")
         for name, seconds in startup.items():
             print(f"start-up of {name} (engine construction, before the first request): {seconds:.1f} s")
+        if report["levers"]:
+            print("minikv's " + report["levers"])
         if "identical_to_transformers" in report:
             print(f"minikv outputs identical to transformers ({reference}): "
                   f"{report['identical_to_transformers']} of {n}")

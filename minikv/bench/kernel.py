@@ -268,8 +268,8 @@ def decode_call_bytes(num_heads: int, num_kv_heads: int, head_dim: int, context:
 def static_rows(configs: Sequence[Any], context: int = STATIC_CONTEXT) -> list[Row]:
     """Compile each config for its target (no GPU needed) and return one row per compiled kernel,
     with the bytes a decode call moves and the time a perfect memory-bound kernel would take."""
-    from minikv_kernels.resources import static_resources
     from minikv.sizing import gpu_spec
+    from minikv_kernels.resources import static_resources
 
     rows = []
     for res in static_resources(list(configs)):

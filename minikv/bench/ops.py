@@ -4,8 +4,9 @@
 of a step, each as minikv runs it and as vLLM runs it, on the same tensors, alternately, in one process:
 
 * the linears of one layer (q/k/v, o, gate/up, down; both engines merge q/k/v and gate/up) and the lm_head:
-  minikv's eager forwards of ``minikv.speed.linears`` (a oneDNN-prepacked weight, ``F.linear`` below
-  ``MIN_ROWS`` rows) against vLLM's ``onednn_mm`` (its own oneDNN matmul on a weight it packed once);
+  minikv's eager forwards of ``minikv.speed.linears`` (each call on the path measured fastest for its shape
+  and rows on this host: eager ``F.linear``, oneDNN's or MKL's packed weight) against vLLM's ``onednn_mm``
+  (its own oneDNN matmul on a weight it packed once);
 * a prompt's attention (its first chunk, which reads only itself): writing its K/V into the paged store
   and causal attention over them, minikv's ``index_copy_`` and its C++ prompt kernel (the fresh-prompt
   branch of ``minikv.dispatch.attend_layer``; PyTorch's ``scaled_dot_product_attention``, which it runs without
@@ -19,8 +20,8 @@ memory as in a step); summed over a forward, the figures say how much of `bench 
 the operators account for.
 
 vLLM's operators are compiled against its virtualenv's PyTorch, so everything runs there; minikv's side
-is PyTorch alone and three minikv files that import nothing else (``minikv/speed/linears.py``,
-``kernels/paged_attention_cpu.py``, ``minikv/bench/linear.py``), loaded by path, and the two
+is PyTorch alone and four minikv files that import nothing else (``minikv/speed/linears.py`` and its chooser
+``minikv/speed/choose.py``, ``kernels/paged_attention_cpu.py``, ``minikv/bench/linear.py``), loaded by path, and the two
 virtualenvs must have the same PyTorch build (checked). This file is that script: above ``cli`` it imports
 torch only.
 """
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 MARKER = "MINIKV-OPS "   # the result line (vLLM logs to stdout too)
 LINEARS = Path(__file__).resolve().parent.parent / "speed" / "linears.py"
+CHOOSE = LINEARS.with_name("choose.py")   # what linears.py imports: the chooser of its paths
 KERNELS = Path(__file__).resolve().parent.parent.parent / "kernels" / "paged_attention_cpu.py"
 TIMING = Path(__file__).resolve().parent / "linear.py"   # its `alternate`: two things timed turn about
 
@@ -116,10 +118,13 @@ class TorchOps:
 def _minikv_module(name: str, path: Path):
     """A minikv module that imports nothing but torch, loaded by path where the minikv package is not importable
     (it needs what vLLM's virtualenv lacks); the imported one where it is."""
-    module = sys.modules.get(name)
+    module = sys.modules.get(name) or sys.modules.get(name.replace(".", "_"))
     if module is None:
         spec = importlib.util.spec_from_file_location(name.replace(".", "_"), path)
         module = importlib.util.module_from_spec(spec)
+        # loaded once: a second copy of the CPU kernels' module registers their fake kernels again, which
+        # torch before 2.13 refuses (register_fake's allow_override was False), so the kernel seemed unbuilt
+        sys.modules[spec.name] = module
         spec.loader.exec_module(module)
     return module
 
@@ -128,6 +133,8 @@ def minikv_linear(weights: list[torch.Tensor]):
     """minikv's eager forward of one linear, each weight a sibling of a merged group (or one alone), as
     ``PackedLinears`` routes it (the lm_head told apart by its size there): every sibling's forward called on
     the one input, as a layer calls them. The call returns the siblings' outputs."""
+    if "minikv.speed.choose" not in sys.modules:   # linears.py's one import of minikv, found under its own name
+        sys.modules["minikv.speed.choose"] = _minikv_module("minikv.speed.choose", CHOOSE)
     linears = _minikv_module("minikv.speed.linears", LINEARS)
     modules = []
     for weight in weights:

@@ -97,12 +97,13 @@ def summarize(samples: dict, peer: str | None = None) -> dict:
                    for shape, values in shapes.items()} for name, shapes in samples.items()}
 
 
-def minikv_run(model, tokenizer, compile: bool = False):
-    """``run(prompts, max_tokens) -> seconds`` on one minikv engine with its defaults (and ``compile``)."""
+def minikv_run(model, tokenizer, compile: bool = False, linears: str | None = None):
+    """``run(prompts, max_tokens) -> seconds`` on one minikv engine with its defaults (and ``compile``,
+    ``linears``); ``run.levers`` says what it chose on this host."""
     from minikv.engine import LLM
     from minikv.sampling import SamplingParams
 
-    llm = LLM(model, tokenizer=tokenizer, verbose=False, compile=compile)
+    llm = LLM(model, tokenizer=tokenizer, verbose=False, compile=compile, linears=linears)
 
     def run(prompts: list[list[int]], max_tokens: int) -> float:
         params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)] * len(prompts)
@@ -110,6 +111,7 @@ def minikv_run(model, tokenizer, compile: bool = False):
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - start
 
+    run.levers = llm.engine.speed_levers()
     return run
 
 
@@ -154,6 +156,8 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per call (default 32)")
     parser.add_argument("--repeat", type=int, default=5, help="calls per figure, the median kept (default 5)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    parser.add_argument("--linears", choices=["measure", "eager", "onednn", "mkl"], default=None,
+                        help="minikv's linear path (default: $MINIKV_LINEAR, else measured fastest on this host)")
     parser.add_argument("--compile", action="store_true",
                         help="also minikv with compile=True (its start-up is not timed)")
     parser.add_argument("--vllm", action="store_true", help="also vLLM's CPU build (.venv-vllm, `make vllm`)")
@@ -185,9 +189,9 @@ def cli(argv: list[str] | None = None) -> int:
     spec = {"seed": args.seed, "low": 3 if args.model == "depth30" else 100, "high": min(vocab, 40000),
             "prefill": args.prefill, "context": args.context, "batches": batches, "steps": args.steps,
             "repeat": args.repeat}
-    runs = {"minikv": minikv_run(model, tokenizer)}
+    runs = {"minikv": minikv_run(model, tokenizer, linears=args.linears)}
     if args.compile:
-        runs["minikv+compile"] = minikv_run(model, tokenizer, compile=True)
+        runs["minikv+compile"] = minikv_run(model, tokenizer, compile=True, linears=args.linears)
     neighbours = {}
     if args.beside is not None:
         from minikv.bench.contention import beside
@@ -207,7 +211,18 @@ def cli(argv: list[str] | None = None) -> int:
             runs["vllm"] = stack.enter_context(vllm_worker(model, tokenizer, spec, Path(args.vllm_venv)))
         samples = measure(runs, spec)
     results = summarize(samples, "vllm" if args.vllm else None)
-    report = {"model": args.model, "spec": spec,
+    from minikv.bench import roofline
+
+    # the host's ceilings beside the figures (a stand-in model, as in the tests, has no weights to read)
+    roof = roofline.measure() if hasattr(model, "modules") else None
+    floors = {}
+    if roof is not None:
+        floors = {"prefill": roof.prefill_floor(model, args.prefill)}
+        floors.update({f"decode_b{b}": roof.decode_floor(model, b, args.context) for b in batches})
+    report = {"model": args.model, "spec": spec, "levers": getattr(runs["minikv"], "levers", None),
+              "roofline": roof and {"read_GB_per_s": roof.read_bytes_per_s / 1e9, "GFLOP_per_s": roof.flops_per_s / 1e9,
+                                    "fraction": {name: {key: floors[key] / r[key][0] for key in floors}
+                                                 for name, r in results.items()}},
               "seconds": {name: {shape: figures[0] for shape, figures in r.items()} for name, r in results.items()},
               "ratio_to_vllm": {name: {shape: figures[1] for shape, figures in r.items()}
                                 for name, r in results.items() if args.vllm},
@@ -230,22 +245,33 @@ def cli(argv: list[str] | None = None) -> int:
     labels = {"prefill": f"prefill, {args.prefill} tokens"}
     labels.update({f"decode_b{b}": f"decode step, batch {b} (context {args.context})" for b in batches})
     print(f"{args.model}, fp32, {args.repeat} calls per figure: medians; a ratio is the median of the"
-          " ratios of calls made seconds apart")
+          " ratios of calls made seconds apart" + (f"\nminikv's {report['levers']}" if report["levers"] else ""))
     ours = [name for name in ("minikv", "minikv+compile") if name in results]
     if neighbours:
         ours += list(neighbours)
     if args.from_thread:
         ours += ["own process", "2nd thread"]
     header = f"{'shape':<40}" + "".join(f"{name + ' ms':>20}" for name in ours)
+    header += f"{'floor ms':>10}" if floors else ""
     if args.vllm:
         header += f"{'vLLM ms':>12}" + "".join(f"{name + '/vLLM':>20}" for name in ours)
     print(header)
     for key, label in labels.items():
         line = f"{label:<40}" + "".join(f"{results[name][key][0] * 1e3:>20.1f}" for name in ours)
+        line += f"{floors[key] * 1e3:>10.1f}" if floors else ""
         if args.vllm:
             line += f"{results['vllm'][key][0] * 1e3:>12.1f}" + "".join(f"{results[name][key][1]:>20.2f}"
                                                                       for name in ours)
         print(line)
+    if roof is not None:
+        print(f"\nthe roofline ({roof.cpu}, {roof.threads} threads: read {roof.read_bytes_per_s / 1e9:.1f} GB/s, fp32 "
+              f"matmul {roof.flops_per_s / 1e9:.0f} GFLOP/s, `bench roofline`): each step's floor over its time "
+              "(decode: weights and K/V read once; prefill: FLOPs at the peak)")
+        with_peer = ours + (["vllm"] if args.vllm else [])
+        print(f"{'shape':<40}" + "".join(f"{name:>20}" for name in with_peer))
+        for key, label in labels.items():
+            print(f"{label:<40}" + "".join(f"{report['roofline']['fraction'][name][key]:>20.0%}"
+                                          for name in with_peer))
     if neighbours:
         print(f"\nminikv beside a neighbour busy {args.beside:.0%} of the time, over minikv alone (the median of "
               "paired ratios): a thread shares the GIL and the cores, a process only the cores")

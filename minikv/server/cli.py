@@ -139,6 +139,7 @@ def run_server(args) -> int:
           f"{engine.input_processor.limits.max_num_batched_tokens} tokens, a prompt's prefill chunk "
           f"{'at most ' + str(cap) + ' tokens' if cap else 'uncapped'}"
           f"{'; API key required' if args.api_key else ''}\n"
+          f"  {engine.speed_levers().replace(chr(10), chr(10) + '  ')}\n"
           f"  the landlord's window (the pool, live): http://{args.host}:{args.port}/landlord", flush=True)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=5, lifespan="off")

@@ -1,17 +1,21 @@
-"""Prepacked linears: the runner's matmuls on weights packed once, as vLLM's CPU build packs them.
+"""Prepacked linears: the runner's matmuls on weights packed once, each call on the path measured fastest here.
 
-Eager fp32 ``F.linear`` on the CPU runs sgemm on the raw weight for every call. Reordering each weight
-once into oneDNN's blocked layout lets a step's small-M matmuls (a few dozen token rows) run oneDNN's
-brgemm kernels instead; `python -m minikv bench linear` measures the difference on this machine. A
-decode step's matmuls (a few to a few dozen rows) run faster still on MKL's own packed sgemm (see
-:class:`Packed`), so each weight is packed for both and each call takes the copy that wins at its rows.
+Eager fp32 ``F.linear`` on the CPU runs MKL's sgemm on the raw weight for every call. A weight can also be
+packed once, into oneDNN's blocked layout (vLLM's CPU build does this for every linear) or into MKL's packed
+sgemm layout. Which of the three is fastest depends on the row count (a decode step's few rows against a
+prefill's hundreds) and on the CPU: on one AMD EPYC host MKL's packed sgemm won decode by 6-10%, on another of
+the same kind it made decode twice as slow as oneDNN's. So the path is not a constant: for each weight shape
+and each row bucket (:data:`ROW_BUCKETS`) the candidates are timed at start on this machine, over the model's
+own weights of that shape (so each streams from memory, as in a step), and the fastest is kept
+(``minikv.speed.choose``: remembered on disk per CPU model, PyTorch and thread count; ``MINIKV_LINEAR`` or
+``--linears`` forces one). Every path is the same fp32 arithmetic in another summation order.
 
 Under ``torch.compile`` the packed weight cannot be a graph input (its oneDNN layout has no fake
 tensor) and inductor's own prepacking needs a static row count, so with ``dynamic=True`` it falls back
 to sgemm on the raw weight. :func:`packed_linear` is our own operator, ``minikv_speed::packed_linear(x,
 weight, bias)``: to the compiler an opaque call with ``F.linear``'s signature and a fake implementation
-(its output's shape), at run time :meth:`Packed.linear` on the packed copies of ``weight``. So a compiled
-graph fuses the elementwise ops between the matmuls and still runs every matmul on packed weights.
+(its output's shape), at run time the chosen path on the packed copies of ``weight``. So a compiled
+graph fuses the elementwise ops between the matmuls and still runs every matmul on the chosen path.
 
 Sibling linears that read one input (a layer's q/k/v projections, its MLP's gate and up projections) are
 packed as one weight and run as one matmul, as vLLM's ``QKVParallelLinear`` and
@@ -22,20 +26,30 @@ the separate calls' (``tests/test_runner.py`` checks that on the row counts a st
 
 from __future__ import annotations
 
+import bisect
+import time
 import weakref
 from contextlib import contextmanager
 
 import torch
+
+from minikv.speed.choose import PATHS, choices, cpu_model, fastest, forced_path
 
 __all__ = ["MERGED", "PackedLinears", "merged_linear", "packed_linear"]
 
 # Names of sibling linears a module calls on one input, in the order it calls them (Llama, Mistral, Qwen2...).
 MERGED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
-# Calls of fewer rows than MIN_ROWS run eager F.linear on the raw weight (see PackedLinears: measured), the
-# lm_head's excepted (LM_HEAD_SIZE weights or more), which is packed at every row count. Calls of fewer rows than
-# MKL_ROWS (a decode step's) run MKL's packed sgemm, the others oneDNN's (see Packed: measured).
-MIN_ROWS, MKL_ROWS, LM_HEAD_SIZE = 4, 32, 10**7
+# The row counts a path is chosen for: a call of r rows takes the choice of the largest bucket <= r. Up to 16
+# rows a decode step's (where the libraries differ most), timed over every layer's weight of the shape so that
+# each streams from memory as in a step; the larger ones a prefill chunk's, where every path is compute-bound,
+# timed on MEASURE_LAYERS layers only, so that the first start stays short. The lm_head only ever sees one row
+# per sequence, so it is measured up to LM_HEAD_ROWS (the larger buckets take that one's choice).
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MEASURE_LAYERS, LM_HEAD_ROWS = 2, 64
+# The lm_head (LM_HEAD_SIZE weights or more) gets no MKL copy: it would cost as much memory as the weight
+# (113 MB for SmolLM2) for one call a step.
+LM_HEAD_SIZE = 10**7
 
 
 def mkl_packing() -> bool:
@@ -43,18 +57,19 @@ def mkl_packing() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
-class Packed:
-    """One weight (or merged siblings' weights) packed once for each library that multiplies it.
+def bucket_of(rows: int) -> int:
+    """The largest of ROW_BUCKETS that is at most `rows` (rows >= 1)."""
+    return ROW_BUCKETS[max(0, bisect.bisect_right(ROW_BUCKETS, rows) - 1)]
 
-    oneDNN's blocked layout (``_reorder_linear_weight``, run by ``_linear_pointwise``) and MKL's packed
-    sgemm (``_mkl_reorder_linear_weight``, run by ``_mkl_linear``: ``F.linear``'s own MKL sgemm on a prepacked
-    operand, whose outputs are often F.linear's bit for bit, else within rounding). Each wins at its own row
-    counts: on SmolLM2's
-    four layer weights over 30 layers (each streamed from memory, as in a step), in one process beside vLLM's
-    ``onednn_mm`` (ms, oneDNN / MKL packed / vLLM): 4 rows 23.1 / 20.0 / 21.1, 16 rows 31.6 / 28.1 / 29.2,
-    32 rows 39.9 / 43.1 / 38.1, 200 rows 137.0 / 151.9 / 133.1. So a call of fewer than MKL_ROWS rows, a
-    decode step's, takes MKL's copy and a prefill's takes oneDNN's. Both copies cost memory, each as much
-    as the weights.
+
+class Packed:
+    """One weight (or merged siblings' weights) and its packed copies, each made on first need.
+
+    ``run(path, x, bias)`` computes ``F.linear`` on one path: ``"eager"`` on the dense weights themselves
+    (siblings one by one, their outputs side by side), ``"onednn"`` on oneDNN's blocked copy
+    (``_reorder_linear_weight``, run by ``_linear_pointwise``), ``"mkl"`` on MKL's packed copy
+    (``_mkl_reorder_linear_weight``, run by ``_mkl_linear``). Each packed copy costs as much memory as the
+    weight; :meth:`keep` makes the ones the chosen paths use and drops the others.
 
     torch's ``_mkl_linear`` computes on the packed copy only when told the row count it was packed for
     (else it falls back to the raw weight); MKL sizes a packed B without regard to the row count (the same
@@ -63,45 +78,102 @@ class Packed:
     weight that op wants for that fallback is a stand-in of its shape: merged siblings have no joined copy.
     """
 
-    def __init__(self, weight: torch.Tensor):
-        weight = weight.detach()
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        # not the lm_head's (LM_HEAD_SIZE weights or more): at a decode step's rows oneDNN's was as fast as vLLM's
-        # and MKL's slower (4 rows 5.0 against 4.5 ms, 8 rows 6.0 against 5.2), and it would cost 113 MB more
-        small = weight.numel() < LM_HEAD_SIZE
-        self.mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, MKL_ROWS) if mkl_packing() and small else None
-        self.shape = weight.new_empty(1).expand(weight.shape)  # the (N, K) the MKL op reads; no data
+    def __init__(self, weights: torch.Tensor | list[torch.Tensor]):
+        self.weights = [w.detach() for w in (weights if isinstance(weights, list) else [weights])]
+        self.sizes = [w.shape[0] for w in self.weights]
+        self.shape = (sum(self.sizes), self.weights[0].shape[1])
+        self.paths = PATHS if mkl_packing() and self.shape[0] * self.shape[1] < LM_HEAD_SIZE else PATHS[:2]
+        self.copies: dict[str, torch.Tensor] = {}
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if self.mkl is not None and rows < MKL_ROWS:
-            return torch.ops.mkl._mkl_linear(x, self.mkl, self.shape, bias, rows)
-        return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+    def copy(self, path: str) -> torch.Tensor:
+        if path not in self.copies:
+            with torch.no_grad():
+                joined = self.weights[0] if len(self.weights) == 1 else torch.cat(self.weights)  # dropped once packed
+                self.copies[path] = (torch.ops.mkldnn._reorder_linear_weight(joined, None) if path == "onednn"
+                                     else torch.ops.mkl._mkl_reorder_linear_weight(joined, 32))
+        return self.copies[path]
+
+    def keep(self, paths: set[str]) -> None:
+        """Hold the copies of these paths (packed now, not at a step), and no other."""
+        for path in set(self.copies) - paths:
+            del self.copies[path]
+        for path in paths - {"eager"}:
+            self.copy(path)
+
+    def run(self, path: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if path == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.copy(path), bias, "none", [], "")
+        if path == "mkl":
+            stand_in = x.new_empty(1).expand(self.shape)  # the (N, K) the op reads for its fallback; no data
+            return torch.ops.mkl._mkl_linear(x, self.copy(path), stand_in, bias, x.numel() // x.shape[-1])
+        if len(self.weights) == 1:
+            return torch.nn.functional.linear(x, self.weights[0], bias)
+        biases = bias.split(self.sizes) if bias is not None else [None] * len(self.weights)
+        return torch.cat([torch.nn.functional.linear(x, w, b) for w, b in zip(self.weights, biases)], dim=-1)
 
 
-def few_rows(x: torch.Tensor, min_rows: int = MIN_ROWS) -> bool:
-    """Whether a call on `x` has fewer than `min_rows` rows: the one test of the eager and the compiled paths."""
-    return x.numel() < min_rows * x.shape[-1]
+class Plan:
+    """The path of each row count for one weight shape: measured here, remembered, or forced."""
+
+    def __init__(self, by_bucket: dict[int, str], ms: dict[int, dict[str, float]] | None = None, how: str = ""):
+        self.by_bucket, self.ms, self.how = by_bucket, ms or {}, how
+        self.by_rows = [by_bucket[bucket_of(r)] for r in range(1, ROW_BUCKETS[-1] + 1)]
+
+    def path(self, rows: int) -> str:
+        return self.by_rows[min(rows, ROW_BUCKETS[-1]) - 1]
+
+    def describe(self) -> str:
+        """e.g. "1-3 eager, 4-31 mkl, 32+ onednn"."""
+        runs, last = [], None
+        for i, bucket in enumerate(ROW_BUCKETS):
+            path = self.by_bucket[bucket]
+            if path != last:
+                runs.append([bucket, path])
+                last = path
+        bounds = [b for b, _ in runs[1:]] + [None]
+        return ", ".join(f"{lo}+ {p}" if hi is None else (f"{lo} {p}" if hi == lo + 1 else f"{lo}-{hi - 1} {p}")
+                         for (lo, p), hi in zip(runs, bounds))
+
+
+def measure_plan(group: list[Packed], biases: list[torch.Tensor | None], paths) -> Plan:
+    """Time every path at every row bucket over this shape's weights and keep the fastest at each."""
+    gen = torch.Generator().manual_seed(0)
+    by_bucket, ms = {}, {}
+    lm_head = group[0].shape[0] * group[0].shape[1] >= LM_HEAD_SIZE
+    with torch.inference_mode():
+        for bucket in ROW_BUCKETS:
+            if lm_head and bucket > LM_HEAD_ROWS:
+                by_bucket[bucket] = by_bucket[LM_HEAD_ROWS]
+                continue
+            x = torch.randn(1, bucket, group[0].shape[1], generator=gen)
+            layers = list(zip(group, biases))[:len(group) if bucket <= 16 else MEASURE_LAYERS]
+            candidates = {path: (lambda path=path: [p.run(path, x, b) for p, b in layers]) for path in paths}
+            by_bucket[bucket], ms[bucket] = fastest(candidates, repeats=5 if bucket <= 16 else 3)
+    return Plan(by_bucket, ms, "measured")
 
 
 # One packed copy per linear module, shared by every runner of its model (a notebook or a test suite
-# builds many engines on one model: each would otherwise hold its own ~0.5 GB for SmolLM2). An entry
-# is reused only while the weight is the same tensor, unmodified (same storage, same version counter).
+# builds many engines on one model: each would otherwise hold its own copies, ~0.5 GB each for SmolLM2). An
+# entry is reused only while the weight is the same tensor, unmodified (same storage, same version counter).
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PACKED_MERGED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # the same for merged siblings, by the first
 
 
-def _packed(module: torch.nn.Linear) -> Packed:
-    weight = module.weight
-    with torch.no_grad():
-        if weight.is_inference():  # no version counter to tell an in-place change: pack afresh, keep nothing
-            return Packed(weight)
-        stamp = (weight.data_ptr(), weight._version)
-        entry = _PACKED.get(module)
-        if entry is None or entry[0] != stamp:
-            entry = _PACKED[module] = (stamp, Packed(weight))
-            _remember([weight], entry[1])
+def _shared(key_module: torch.nn.Module, weights: list[torch.Tensor], table) -> Packed:
+    """The packed copies of `weights` (one module's, or merged siblings' keyed by the first), made afresh when a
+    weight changed in place; inference tensors (no version counter to tell a change) are never shared."""
+    if weights[0].is_inference():
+        return Packed(weights if len(weights) > 1 else weights[0])
+    stamp = tuple((w.data_ptr(), w._version) for w in weights)
+    entry = table.get(key_module)
+    if entry is None or entry[0] != stamp:
+        entry = table[key_module] = (stamp, Packed(weights if len(weights) > 1 else weights[0]))
+        _remember(weights, entry[1])
     return entry[1]
+
+
+def _packed(module: torch.nn.Linear) -> Packed:
+    return _shared(module, [module.weight], _PACKED)
 
 
 # The packed copy of a weight (or of merged siblings' weights) by their data pointers, for the compiled graph's
@@ -120,42 +192,39 @@ def _remember(weights: list[torch.Tensor], packed: Packed) -> None:
 
 
 def _packed_copy(weights: list[torch.Tensor]) -> Packed:
-    """The live packed copies of these weights, joined, if they are current; else packed now (correct, if
-    slow; never a stale copy)."""
+    """The live packed copies of these weights, if they are current; else packed now (correct, if slow; never a
+    stale copy)."""
     entry = _BY_WEIGHTS.get(tuple(w.data_ptr() for w in weights))
     packed = entry[2]() if entry is not None and entry[:2] == _stamp(weights) else None
-    if packed is None:
-        packed = Packed(weights[0] if len(weights) == 1 else torch.cat(weights))
-    return packed
+    return packed if packed is not None else Packed(weights if len(weights) > 1 else weights[0])
+
+
+# The plans of the PackedLinears whose forwards are active (by weight shape), for the compiled graph's operators.
+_ACTIVE_PLANS: dict[tuple[int, int], Plan] = {}
+
+
+def _run(packed: Packed, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    plan = _ACTIVE_PLANS.get(packed.shape)
+    path = plan.path(x.numel() // x.shape[-1]) if plan is not None else "onednn"
+    return packed.run(path, x, bias)
 
 
 class _Merged:
-    """One packed matmul for sibling linears: the first sibling called computes every sibling's output; the
-    others take their slice when called with that same input tensor (else they compute afresh). Calls of
-    fewer than ``min_rows`` rows run each sibling's own eager ``F.linear`` instead. In a compiled graph the
-    same logic runs once, when the graph is traced: the graph holds one :func:`merged_linear` per group."""
+    """One matmul for sibling linears: the first sibling called computes every sibling's output; the others take
+    their slice when called with that same input tensor (else they compute afresh). Where the plan says
+    ``eager``, each sibling runs its own ``F.linear`` instead (merging would need a dense copy of the joined
+    weights). In a compiled graph the same logic runs once, when the graph is traced: the graph holds one
+    :func:`merged_linear` per group."""
 
-    def __init__(self, modules: list[torch.nn.Linear], min_rows: int):
-        self.modules, self.min_rows = modules, min_rows
-        self.packed, self.bias = self._weights(modules)
+    def __init__(self, modules: list[torch.nn.Linear]):
+        self.modules = modules
+        self.packed = _shared(modules[0], [m.weight for m in modules], _PACKED_MERGED)
+        with torch.no_grad():
+            self.bias = None if modules[0].bias is None else torch.cat([m.bias.detach() for m in modules])
         self.sizes = [m.out_features for m in modules]
+        self.plan: Plan | None = None   # set by PackedLinears once measured
         self.input = self.outputs = None
         self.pending = 0   # siblings yet to take their slice of `outputs`
-
-    @staticmethod
-    def _weights(modules: list[torch.nn.Linear]) -> tuple[Packed, torch.Tensor | None]:
-        """The siblings' weights packed as one, and their biases joined; shared like `_packed`'s copies."""
-        stamp = tuple((m.weight.data_ptr(), m.weight._version) for m in modules)
-        entry = None if modules[0].weight.is_inference() else _PACKED_MERGED.get(modules[0])
-        if entry is None or entry[0] != stamp:
-            with torch.no_grad():
-                weight = torch.cat([m.weight.detach() for m in modules])  # dropped once packed
-                bias = None if modules[0].bias is None else torch.cat([m.bias.detach() for m in modules])
-                entry = (stamp, (Packed(weight), bias))
-            if not modules[0].weight.is_inference():
-                _PACKED_MERGED[modules[0]] = entry
-                _remember([m.weight for m in modules], entry[1][0])
-        return entry[1]
 
     @staticmethod
     def mergeable(modules: list[torch.nn.Linear]) -> bool:
@@ -169,14 +238,15 @@ class _Merged:
         modules = self.modules
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            if not graph and few_rows(x, self.min_rows):
+            path = None if graph else self.plan.path(x.numel() // x.shape[-1])
+            if path == "eager":
                 return torch.nn.functional.linear(x, weight, bias)
             if x is not self.input or self.pending == 0:
                 if graph:
                     out = merged_linear(x, [m.weight for m in modules],
                                         [m.bias for m in modules] if modules[0].bias is not None else [])
                 else:
-                    out = self.packed.linear(x, self.bias)
+                    out = self.packed.run(path, x, self.bias)
                 self.input, self.outputs, self.pending = x, out.split(self.sizes, dim=-1), len(self.sizes)
             self.pending -= 1
             out = self.outputs[i]
@@ -189,12 +259,9 @@ class _Merged:
 
 @torch.library.custom_op("minikv_speed::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` computed on ``weight``'s oneDNN-packed copy (packed now if it has none);
-    a call of fewer than :data:`MIN_ROWS` rows on eager ``F.linear``, as the eager path does (decided here, at
-    run time, since a compiled graph's row count is symbolic)."""
-    if few_rows(x) and weight.numel() < LM_HEAD_SIZE:
-        return torch.nn.functional.linear(x, weight, bias)
-    return _packed_copy([weight]).linear(x, bias)
+    """``F.linear(x, weight, bias)`` on the path the active plan chose for this shape and row count (decided
+    here, at run time, since a compiled graph's row count is symbolic), on ``weight``'s packed copies."""
+    return _run(_packed_copy([weight]), x, bias)
 
 
 @packed_linear.register_fake
@@ -205,13 +272,8 @@ def _(x, weight, bias):
 @torch.library.custom_op("minikv_speed::merged_linear", mutates_args=())
 def merged_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
     """Sibling linears on one input, their outputs side by side (``biases``: one per weight, or none): one
-    matmul on the siblings' merged packed copy; a call of fewer than :data:`MIN_ROWS` rows, each sibling's
-    eager ``F.linear``, as the eager path does."""
-    if few_rows(x):
-        return torch.cat([torch.nn.functional.linear(x, w, b)
-                          for w, b in zip(weights, biases or [None] * len(weights))], dim=-1)
-    bias = torch.cat(biases) if biases else None
-    return _packed_copy(weights).linear(x, bias)
+    matmul on the siblings' merged packed copy, or each sibling's ``F.linear`` where the plan says eager."""
+    return _run(_packed_copy(weights), x, torch.cat(biases) if biases else None)
 
 
 @merged_linear.register_fake
@@ -220,65 +282,89 @@ def _(x, weights, biases):
 
 
 class PackedLinears:
-    """Prepacked copies of a model's fp32 ``nn.Linear`` weights (:class:`Packed`), active only inside :meth:`active`.
+    """A model's fp32 ``nn.Linear`` weights, each call on the path chosen for its shape and row count, active only
+    inside :meth:`active`.
 
-    The weights are packed once, for oneDNN and for MKL; each call then runs on the copy that wins at its
-    row count (:meth:`Packed.linear`). Same fp32 arithmetic as ``F.linear``, in another summation order
-    (differences of a few 1e-6 on outputs of order 1). The model's own parameters
-    are untouched; the packed copies cost twice as much memory again as the linear weights (a tied
-    ``lm_head`` included), once per model: every ``PackedLinears`` of one model shares them while its
-    weights are unchanged.
+    ``path=None`` takes $MINIKV_LINEAR if set, else measures (once per CPU model, PyTorch, thread count and
+    shape: remembered on disk, see ``minikv.speed.choose``); ``"measure"``, ``"eager"``, ``"onednn"`` or
+    ``"mkl"`` says so. The packed copies no plan uses are dropped once chosen, so a model whose every
+    bucket chose oneDNN holds one copy of its weights more, not two. The model's own parameters are
+    untouched; every ``PackedLinears`` of one model shares the copies while its weights are unchanged.
 
-    Calls of ``min_rows`` rows or more take the packed path; fewer (by default: up to three rows, a decode
-    step of up to three sequences) take eager ``F.linear`` on the module's own weight, the lm_head excepted.
-    A matmul of a few rows is close to a matrix-vector product whose weight streams from memory once: MKL's
-    sgemm does that faster than oneDNN's brgemm on the packed layout, until about four rows. Measured on a
-    2-core CPU, SmolLM2's four per-layer shapes over 30 layers of distinct weights (so each streams from
-    memory, as in a step), packed against eager: 39.5/34.0 ms at one row, 40.2/31.3 at two, 40.4/35.0 at
-    three, 39.3/51.2 at four. A whole decode step at 260 tokens of context, the two settings alternating 25
-    times: ``min_rows=4`` against 2 took 65.6 against 76.6 ms at batch 2 and 83.9 against 96.1 ms at batch
-    3 (batches 1 and 4, on the same path either way, within 1.3 ms). ``min_rows=1`` packs every call.
-
-    ``merge=True`` (the default) runs the siblings named in :data:`MERGED` as one matmul each group, on the
-    packed path (a call of fewer rows still runs each sibling's own ``F.linear``: merging would need a dense
-    copy of the joined weights, memory for one or two milliseconds). A compiled graph calls
-    :func:`merged_linear` for each group and :func:`packed_linear` for every other linear.
+    ``merge=True`` (the default) runs the siblings named in :data:`MERGED` as one matmul each group. A compiled
+    graph calls :func:`merged_linear` for each group and :func:`packed_linear` for every other linear.
     """
 
-    def __init__(self, model: torch.nn.Module, min_rows: int = MIN_ROWS, merge: bool = True):
+    def __init__(self, model: torch.nn.Module, merge: bool = True, path: str | None = None):
         self.forwards: dict[torch.nn.Module, object] = {}
         self.graph_forwards: dict[torch.nn.Module, object] = {}  # the same, through packed_linear (compiled)
-        merged, graph_merged = self._merge(model, min_rows) if merge else ({}, {})
-        self.forwards.update(merged)
-        self.graph_forwards.update(graph_merged)
-        for module in model.modules():
-            if isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32 and module not in merged:
-                small = module.weight.numel() < LM_HEAD_SIZE  # not the lm_head
-                self.forwards[module] = self._forward(module, _packed(module), min_rows if small else 1)
-                self.graph_forwards[module] = self._graph_forward(module)
+        groups = self._merge(model) if merge else []
+        for group in groups:
+            self.forwards.update({m: group.forward_of(i) for i, m in enumerate(group.modules)})
+            self.graph_forwards.update({m: group.forward_of(i, graph=True) for i, m in enumerate(group.modules)})
+        singles = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
+                   and m.weight.dtype == torch.float32 and m not in self.forwards]
+        # every weight of one shape, with its bias: what a plan is measured on
+        by_shape: dict[tuple[int, int], list[tuple[Packed, torch.Tensor | None]]] = {}
+        for group in groups:
+            by_shape.setdefault(group.packed.shape, []).append((group.packed, group.bias))
+        packed = {m: _packed(m) for m in singles}
+        for m in singles:
+            by_shape.setdefault(packed[m].shape, []).append((packed[m], m.bias))
+        self.packed = [p for entries in by_shape.values() for p, _ in entries]   # every weight's packed copies
+        start = time.perf_counter()
+        self.plans = {shape: self._plan(shape, entries, forced_path(path)) for shape, entries in by_shape.items()}
+        self.seconds = time.perf_counter() - start
+        for shape, entries in by_shape.items():
+            for p, _ in entries:
+                p.keep(set(self.plans[shape].by_bucket.values()))
+        for group in groups:
+            group.plan = self.plans[group.packed.shape]
+        for m in singles:
+            self.forwards[m] = self._forward(m, packed[m], self.plans[packed[m].shape])
+            self.graph_forwards[m] = self._graph_forward(m)
 
     @staticmethod
-    def _merge(model: torch.nn.Module, min_rows: int) -> tuple[dict, dict]:
-        """The forwards of every mergeable sibling group in :data:`MERGED`, by module: eager, and for a graph."""
-        forwards, graph_forwards = {}, {}
+    def _plan(shape: tuple[int, int], entries, forced: str | None) -> Plan:
+        paths = entries[0][0].paths
+        if forced is not None:
+            return Plan(dict.fromkeys(ROW_BUCKETS, forced if forced in paths else "onednn"), how="forced")
+        question = f"linear {shape[0]}x{shape[1]} fp32"
+        known = choices().get(question)
+        if known is not None and set(known["by_bucket"].values()) <= set(paths):
+            return Plan({int(b): p for b, p in known["by_bucket"].items()}, how="remembered")
+        plan = measure_plan([p for p, _ in entries], [b for _, b in entries], paths)
+        choices().put({question: {"by_bucket": plan.by_bucket, "ms": plan.ms}})
+        return plan
+
+    def describe(self) -> str:
+        """One line per weight shape: its paths by row count, and how they were chosen."""
+        how = sorted({p.how for p in self.plans.values()})
+        head = (f"linear paths on {cpu_model()} (torch {torch.__version__}, {torch.get_num_threads()} threads), "
+                f"{'/'.join(how)}" + (f" in {self.seconds:.1f} s" if "measured" in how else "") + ":")
+        return "\n".join([head] + [f"  {o}x{i}: {plan.describe()}" for (o, i), plan in sorted(self.plans.items())])
+
+    @staticmethod
+    def _merge(model: torch.nn.Module) -> list[_Merged]:
+        """Every mergeable sibling group of :data:`MERGED` in the model."""
+        groups = []
         for parent in model.modules():
             for names in MERGED:
                 modules = [getattr(parent, n, None) for n in names]
                 if all(isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32 for m in modules) \
                         and _Merged.mergeable(modules):
-                    group = _Merged(modules, min_rows)
-                    forwards.update({m: group.forward_of(i) for i, m in enumerate(modules)})
-                    graph_forwards.update({m: group.forward_of(i, graph=True) for i, m in enumerate(modules)})
-        return forwards, graph_forwards
+                    groups.append(_Merged(modules))
+        return groups
 
     @staticmethod
-    def _forward(module, packed: Packed, min_rows):
-        weight, bias, linear = module.weight, module.bias, packed.linear
+    def _forward(module, packed: Packed, plan: Plan):
+        weight, bias, run, path_of = module.weight, module.bias, packed.run, plan.path
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            if few_rows(x, min_rows):
+            path = path_of(x.numel() // x.shape[-1])
+            if path == "eager":
                 return torch.nn.functional.linear(x, weight, bias)
-            return linear(x, bias)
+            return run(path, x, bias)
 
         return forward
 
@@ -303,14 +389,18 @@ class PackedLinears:
 
     @contextmanager
     def active(self, graph: bool = False):
-        """Route each packed module's forward to its packed weight (an instance attribute), then undo it.
+        """Route each packed module's forward to its chosen path (an instance attribute), then undo it.
         ``graph=True``: through the :func:`packed_linear` operator, for a forward ``torch.compile`` traces."""
         saved = {m: m.__dict__["forward"] for m in self.forwards if "forward" in m.__dict__}
         for module, forward in (self.graph_forwards if graph else self.forwards).items():
             module.__dict__["forward"] = forward  # plain dict write: nn.Module.__setattr__ costs more
+        plans = dict(_ACTIVE_PLANS)
+        _ACTIVE_PLANS.update(self.plans)
         try:
             yield
         finally:
+            _ACTIVE_PLANS.clear()
+            _ACTIVE_PLANS.update(plans)
             for module in self.forwards:
                 if module in saved:
                     module.__dict__["forward"] = saved[module]
