@@ -21,7 +21,8 @@ large enough pieces, with every SM busy.
 
 Without a CUDA GPU this module defines its kernels for Triton's interpreter (numpy on the CPU), so the
 same kernel can be run and checked anywhere, and says so (``INTERPRETED``). The interpreter is for
-correctness, never for timing; kernels/resources.py compiles the kernel for named GPUs without one, to read its register use.
+correctness, never for timing; kernels/resources.py compiles the kernel for named GPUs without one, to
+read its register use.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ import torch
 _SET_HERE = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 if _SET_HERE:
     if "triton" in sys.modules:
-        raise ImportError("Triton was imported (perhaps by torch.compile, or transformers' generate) before this module, "
-                          "compiling, so its kernels cannot run on this machine without a CUDA GPU. Import "
+        raise ImportError("Triton was imported (perhaps by torch.compile, or transformers' generate) before this "
+                          "module, compiling, so its kernels cannot run on this machine without a CUDA GPU. Import "
                           "minikv_kernels.paged_attention before anything imports Triton, or start Python with "
                           "TRITON_INTERPRET=1 in the environment.")
     os.environ["TRITON_INTERPRET"] = "1"
