@@ -12,7 +12,7 @@ NOTEBOOKS := notebooks solutions exercises
 
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install demo serve bench-serve test test-fast test-grading lab exercises size bench-memory \
+.PHONY: install demo serve bench-serve test test-fast test-half test-grading lab exercises size bench-memory \
 	bench-prefix bench-engine bench-kernel grade clean vllm vllm-serve bench-notebooks gpu-check
 
 install: $(STAMP)
@@ -66,6 +66,15 @@ PYTEST := $(if $(filter 0,$(TEST_JOBS)),,OMP_NUM_THREADS=1) $(BIN)/python -m pyt
 # the 30 slowest items are listed at the end (CI aims at 30 minutes in all).
 test: $(STAMP)
 	$(PYTEST) tests --nbval-lax $(NOTEBOOKS) -q --durations=30
+
+# The course in half precision, as a Colab T4 computes (float16), simulated on the CPU: the notebooks that load a
+# model (lesson answers, the solutions whose self-check loads SmolLM2, the deep dives that compare tokens) under
+# MINIKV_DTYPE=float16. Token equality is asserted in float32 and counted here (minikv/lessons/parity.py).
+HALF_NOTEBOOKS := $(filter-out %/04_triton_kernel.ipynb,$(wildcard notebooks/answers/*.ipynb)) \
+	solutions/03_paged.ipynb solutions/05_prefix_sharing.ipynb solutions/06_continuous_batching.ipynb \
+	notebooks/deep/03_cache_internals.ipynb notebooks/deep/05_beams_bandwidth.ipynb notebooks/deep/06_preemption.ipynb
+test-half: $(STAMP)
+	MINIKV_DTYPE=float16 $(PYTEST) --nbval-lax $(HALF_NOTEBOOKS) -q --durations=10
 
 # Unit tests only, without the real model, the notebooks or the browser (for live coding).
 test-fast: $(STAMP)

@@ -44,8 +44,28 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+# MINIKV_DTYPE=float16 runs the course as a Colab T4 would (float16), on the CPU too: what `make test-half` does.
+DTYPE_ENV = "MINIKV_DTYPE"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def dtype_override() -> torch.dtype | None:
+    """The dtype $MINIKV_DTYPE asks for (float32 | float16 | bfloat16), or None when it is unset or empty."""
+    name = os.environ.get(DTYPE_ENV, "").strip()
+    if not name:
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"{DTYPE_ENV}={name!r} is not a dtype minikv computes in: use one of "
+                         f"{', '.join(DTYPES)}, or leave it unset (float32 on the CPU, half precision on a GPU)")
+    return DTYPES[name]
+
+
 def default_dtype(device: torch.device | str) -> torch.dtype:
-    """fp32 on the CPU (fast there, and exact enough to compare); half precision on a GPU."""
+    """$MINIKV_DTYPE if set; else fp32 on the CPU (fast there, and exact enough to compare), half precision on
+    a GPU."""
+    override = dtype_override()
+    if override is not None:
+        return override
     if torch.device(device).type != "cuda":
         return torch.float32
     # bf16 needs Ampere (compute capability 8) or newer; a T4 (7.5) would only emulate it, slowly.

@@ -6,10 +6,13 @@
 * ``build``: each lesson in ``notebooks/`` is generated from its source in ``notebooks/answers/``, which holds
   the course's answers between ``### BEGIN SOLUTION`` / ``### END SOLUTION`` (the exercises' convention);
   ``python -m minikv exercises`` writes them, ``--check`` proves they are in sync.
+* ``parity``: "the same tokens as transformers", asserted in float32 and counted in half precision
+  (`compare_tokens`), where a near-tie may flip.
 
-A learner meets only ``checkpoint`` and ``Case``; the rest is for the course's maintainers.
+A learner meets only ``checkpoint``, ``Case`` and ``compare_tokens``; the rest is for the course's maintainers.
 """
 
 from minikv.lessons.checkpoint import Case, checkpoint
+from minikv.lessons.parity import compare_tokens
 
-__all__ = ["Case", "checkpoint"]
+__all__ = ["Case", "checkpoint", "compare_tokens"]
