@@ -149,3 +149,12 @@ def test_every_linear_path_generates_the_same_tokens(smollm2):
                      for p in prompts]
     for path in paths:
         assert outputs[path] == reference, path
+
+
+def test_measure_measures_again_and_replaces_the_remembered_choice(monkeypatch, tmp_path):
+    monkeypatch.setattr(choose, "_CHOICES", Choices(tmp_path / "choices.json"))
+    monkeypatch.delenv(choose.ENV, raising=False)
+    linears.PackedLinears(fake_model())
+    again = linears.PackedLinears(fake_model(), path="measure")
+    assert {p.how for p in again.plans.values()} == {"measured"}
+    assert {p.how for p in linears.PackedLinears(fake_model()).plans.values()} == {"remembered"}

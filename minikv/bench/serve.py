@@ -452,6 +452,12 @@ def parse_args(argv):
     v.add_argument("--against", choices=("vllm",), help="run the same load against vLLM's server too, side by side")
     v.add_argument("--vllm-url", help="a running vLLM server (loopback); default: start one from .venv-vllm")
     v.add_argument("--vllm-wait", type=float, default=600, help="seconds to wait for vLLM's start (default 600)")
+    v.add_argument("--client", choices=("minikv", "vllm"), default="minikv",
+                   help="whose load generator: minikv's (default) or vLLM's own `vllm bench serve` (random dataset, "
+                        "text prompts of --input-len tokens, --max-output-len out, EOS ignored), run from .venv-vllm")
+    v.add_argument("--input-len", type=int, default=200, help="with --client vllm: prompt tokens (default 200)")
+    v.add_argument("--rho", help="with --client vllm: rates as fractions of vLLM's capacity, measured first (all "
+                                 "requests at once), e.g. 0.5,0.8; replaces --rate/--rates")
     v.add_argument("--rounds", type=int, default=1,
                    help="runs of each rate against each server, the order alternating (minikv first, then vLLM "
                         "first, ...), fresh prompts each round, the same for both servers; the median of the "

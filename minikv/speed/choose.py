@@ -8,7 +8,8 @@ and on disk (:class:`Choices`), keyed by the CPU's model, PyTorch's version, the
 so a second start pays nothing; another CPU, PyTorch or thread count measures afresh.
 
 ``MINIKV_LINEAR=eager|onednn|mkl`` (or ``--linears`` on the command line) forces one path, for a control
-or where measuring is not wanted.
+or where measuring is not wanted; ``measure`` measures again, replacing what was remembered (a choice made
+while the machine was busy with something else is worth making again on a quiet one).
 """
 
 from __future__ import annotations

@@ -27,13 +27,14 @@ the separate calls' (``tests/test_runner.py`` checks that on the row counts a st
 from __future__ import annotations
 
 import bisect
+import os
 import time
 import weakref
 from contextlib import contextmanager
 
 import torch
 
-from minikv.speed.choose import PATHS, choices, cpu_model, fastest, forced_path
+from minikv.speed.choose import ENV, PATHS, choices, cpu_model, fastest, forced_path
 
 __all__ = ["MERGED", "PackedLinears", "merged_linear", "packed_linear"]
 
@@ -286,8 +287,9 @@ class PackedLinears:
     inside :meth:`active`.
 
     ``path=None`` takes $MINIKV_LINEAR if set, else measures (once per CPU model, PyTorch, thread count and
-    shape: remembered on disk, see ``minikv.speed.choose``); ``"measure"``, ``"eager"``, ``"onednn"`` or
-    ``"mkl"`` says so. The packed copies no plan uses are dropped once chosen, so a model whose every
+    shape: remembered on disk, see ``minikv.speed.choose``); ``"measure"`` measures again now (and remembers
+    that: a choice made while the machine was busy is replaced), ``"eager"``, ``"onednn"`` or ``"mkl"`` forces
+    that path. The packed copies no plan uses are dropped once chosen, so a model whose every
     bucket chose oneDNN holds one copy of its weights more, not two. The model's own parameters are
     untouched; every ``PackedLinears`` of one model shares the copies while its weights are unchanged.
 
@@ -313,7 +315,8 @@ class PackedLinears:
             by_shape.setdefault(packed[m].shape, []).append((packed[m], m.bias))
         self.packed = [p for entries in by_shape.values() for p, _ in entries]   # every weight's packed copies
         start = time.perf_counter()
-        self.plans = {shape: self._plan(shape, entries, forced_path(path)) for shape, entries in by_shape.items()}
+        forced, fresh = forced_path(path), (path or os.environ.get(ENV)) == "measure"
+        self.plans = {shape: self._plan(shape, entries, forced, fresh) for shape, entries in by_shape.items()}
         self.seconds = time.perf_counter() - start
         for shape, entries in by_shape.items():
             for p, _ in entries:
@@ -325,12 +328,12 @@ class PackedLinears:
             self.graph_forwards[m] = self._graph_forward(m)
 
     @staticmethod
-    def _plan(shape: tuple[int, int], entries, forced: str | None) -> Plan:
+    def _plan(shape: tuple[int, int], entries, forced: str | None, fresh: bool) -> Plan:
         paths = entries[0][0].paths
         if forced is not None:
             return Plan(dict.fromkeys(ROW_BUCKETS, forced if forced in paths else "onednn"), how="forced")
         question = f"linear {shape[0]}x{shape[1]} fp32"
-        known = choices().get(question)
+        known = None if fresh else choices().get(question)
         if known is not None and set(known["by_bucket"].values()) <= set(paths):
             return Plan({int(b): p for b, p in known["by_bucket"].items()}, how="remembered")
         plan = measure_plan([p for p, _ in entries], [b for _, b in entries], paths)
