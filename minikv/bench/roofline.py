@@ -1,9 +1,10 @@
 """`python -m minikv bench roofline`: this host's two ceilings, measured in this process, and a step's floor.
 
 A decode step reads every weight once (and each sequence's K/V) to make a few rows of output: it can go no
-faster than those bytes over the memory's read bandwidth. A prefill does ~2 FLOPs per weight per token: it can
-go no faster than its FLOPs over the CPU's peak matmul rate. Both ceilings are measured here, with the threads
-torch will compute on, because a figure from a datasheet or from another host says nothing about this one:
+faster than those bytes over the memory's read bandwidth (nor, with many rows, than its FLOPs at the peak).
+A prefill does ~2 FLOPs per weight per token: it can go no faster than its FLOPs over the CPU's peak matmul
+rate. Both ceilings are measured here, with the threads torch will compute on, because a figure from a
+datasheet or from another host says nothing about this one:
 
 * **read bandwidth**: the best of several full reads (``torch.sum``) of a buffer far larger than any cache;
 * **sgemm peak**: the best of several fp32 square matmuls (``torch.mm``).
@@ -34,8 +35,10 @@ class Roofline:
     flops_per_s: float
 
     def decode_floor(self, model, batch: int, context: int) -> float:
-        """Seconds a decode step of `batch` sequences at `context` tokens can take at least: its bytes read."""
-        return decode_bytes(model, batch, context) / self.read_bytes_per_s
+        """Seconds a decode step of `batch` sequences at `context` tokens can take at least: its bytes read at
+        the read bandwidth, or its FLOPs at the peak if that is longer (from a few dozen rows on, it is)."""
+        return max(decode_bytes(model, batch, context) / self.read_bytes_per_s,
+                   2 * linear_params(model) * batch / self.flops_per_s)
 
     def prefill_floor(self, model, tokens: int) -> float:
         """Seconds a prefill of `tokens` can take at least: its FLOPs at the peak rate."""
