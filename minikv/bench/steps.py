@@ -189,6 +189,15 @@ def cli(argv: list[str] | None = None) -> int:
     spec = {"seed": args.seed, "low": 3 if args.model == "depth30" else 100, "high": min(vocab, 40000),
             "prefill": args.prefill, "context": args.context, "batches": batches, "steps": args.steps,
             "repeat": args.repeat}
+    from minikv.bench import roofline
+
+    # The host's ceilings beside the figures, measured first: no engine is alive yet (vLLM's keeps a core busy
+    # between calls). A stand-in model, as in the tests, has no weights to read.
+    roof = roofline.measure() if hasattr(model, "modules") else None
+    floors = {}
+    if roof is not None:
+        floors = {"prefill": roof.prefill_floor(model, args.prefill)}
+        floors.update({f"decode_b{b}": roof.decode_floor(model, b, args.context) for b in batches})
     runs = {"minikv": minikv_run(model, tokenizer, linears=args.linears)}
     if args.compile:
         runs["minikv+compile"] = minikv_run(model, tokenizer, compile=True, linears=args.linears)
@@ -211,14 +220,6 @@ def cli(argv: list[str] | None = None) -> int:
             runs["vllm"] = stack.enter_context(vllm_worker(model, tokenizer, spec, Path(args.vllm_venv)))
         samples = measure(runs, spec)
     results = summarize(samples, "vllm" if args.vllm else None)
-    from minikv.bench import roofline
-
-    # the host's ceilings beside the figures (a stand-in model, as in the tests, has no weights to read)
-    roof = roofline.measure() if hasattr(model, "modules") else None
-    floors = {}
-    if roof is not None:
-        floors = {"prefill": roof.prefill_floor(model, args.prefill)}
-        floors.update({f"decode_b{b}": roof.decode_floor(model, b, args.context) for b in batches})
     report = {"model": args.model, "spec": spec, "levers": getattr(runs["minikv"], "levers", None),
               "roofline": roof and {"read_GB_per_s": roof.read_bytes_per_s / 1e9, "GFLOP_per_s": roof.flops_per_s / 1e9,
                                     "fraction": {name: {key: floors[key] / r[key][0] for key in floors}
