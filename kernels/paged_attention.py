@@ -37,8 +37,9 @@ import torch
 # run a kernel, so this module, where the kernels are defined, sets that switch (nothing else in minikv does). It
 # stays set: Triton reads it again later (importing its gluon helpers at a launch asserts that the interpreter
 # is still on), so from here on every Triton kernel this process defines is interpreted, as on this machine it
-# must be.
-_SET_HERE = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+# must be. A value already in the environment is respected (kernels/resources.py compiles for named GPUs in a
+# child started with TRITON_INTERPRET=0).
+_SET_HERE = not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ
 if _SET_HERE:
     if "triton" in sys.modules:
         raise ImportError("Triton was imported (perhaps by torch.compile, or transformers' generate) before this "

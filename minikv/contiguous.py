@@ -148,6 +148,10 @@ class ContiguousKVCache(Cache):
     ``4 * 512`` token slots in every layer before the first token arrives.
     """
 
+    # A plain attribute, set in __init__. Declared here because transformers 5.15 (Colab's) has a read-only
+    # `Cache.max_batch_size` property (deprecated, removed in 5.16) that would refuse the assignment.
+    max_batch_size: int = 0
+
     def __init__(self, config, max_batch_size: int, max_seq_len: int,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         check_int("max_batch_size", max_batch_size, 1, "sequences the cache holds at once")

@@ -107,6 +107,12 @@ def convert_smollm2(target: Path) -> Path:
     kwargs = dict(gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    # The special tokens the GGUF names (bos <|im_start|>, eos and pad <|im_end|>), as the model's config has
+    # them: transformers 5.15 (Colab's) reads eos as <|im_start|> and no pad from this file; 5.24 reads them right.
+    for role in ("bos", "eos", "pad"):
+        token_id = getattr(loaded.config, f"{role}_token_id", None)
+        if token_id is not None:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
 
     config = loaded.config
     if hasattr(config, "quantization_config"):

@@ -33,7 +33,7 @@ only sees K/V, never token ids, so tell it the prompts first, then call generate
 
     cache.reset()
     hit = cache.prefill_hits(input_ids, attention_mask)  # opens the rows on the cached blocks
-    model.generate(input_ids, attention_mask=attention_mask, cache=cache, ...)
+    model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, ...)
 
 generate asks ``cache.get_seq_length()`` (= ``hit``) and, because the attention mask is as long
 as ``input_ids``, feeds the model only ``input_ids[:, hit:]`` (``GenerationMixin._prefill``);

@@ -228,38 +228,73 @@ def test_compiled_kernel_rejects_cpu_tensors() -> None:
         paged_attention(*inputs, 1.0)
 
 
-def test_kernels_folder_does_not_fool_transformers() -> None:
-    # transformers probes for the PyPI package `kernels` (hub kernels). Our folder of the same
-    # name is importable from the repo root; the probe must still say "not installed", importing
-    # our folder must not drag in torch or triton, and a Llama model must still build and run.
-    script = """
-import importlib.util, json, sys
-from pathlib import Path
-spec = importlib.util.find_spec("kernels")
+def _from(cwd: Path, script: str, pythonpath: str | None = None) -> dict:
+    """Runs `python -c script` in cwd (the current folder first on sys.path, as `python -m pytest` has it) and
+    returns the JSON its last line prints."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    done = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_kernels_folder_does_not_fool_transformers(tmp_path: Path) -> None:
+    # PyPI has an unrelated package imported as `kernels` (hub kernels), which transformers probes for and,
+    # from 5.25 on, requires and imports with the model classes. Our folder is installed as `minikv_kernels`,
+    # but wherever the repository root is on sys.path (the current folder here; Colab's sys.path.insert) it is
+    # also `kernels`, found first. Imported under that name it must hand over to the real package further down
+    # sys.path, or stay bare (no __version__: "not installed") where there is none; and importing it under
+    # either name must not drag in torch or triton.
+    ours = str(REPO / "kernels" / "__init__.py")
+    # 1. A stand-in for PyPI's package after the repository root: `import kernels` gets it, submodules included.
+    real = tmp_path / "site" / "kernels"
+    real.mkdir(parents=True)
+    (real / "__init__.py").write_text('__version__ = "0.0.1"\nfrom kernels.layer import NAME\n')
+    (real / "layer.py").write_text('NAME = "the real one"\n')
+    handed = _from(REPO, """
+import importlib.util, json, os, sys
+origin = os.path.realpath(importlib.util.find_spec("kernels").origin)
 import minikv_kernels
 light = "torch" not in sys.modules and "triton" not in sys.modules
-import torch, transformers
-from transformers.utils.import_utils import is_kernels_available
+import kernels
+print(json.dumps({"origin": origin, "light": light, "file": os.path.realpath(kernels.__file__), "name": kernels.NAME,
+                  "version": kernels.__version__, "held": sys.modules["kernels"] is kernels,
+                  "still_light": "torch" not in sys.modules and "triton" not in sys.modules}))
+""", pythonpath=str(tmp_path / "site"))
+    assert handed["origin"] == ours, "the repository root was not first on sys.path: this checks nothing"
+    assert handed["light"] and handed["still_light"], "importing kernels/ must not import torch or triton"
+    assert handed["file"] == str((real / "__init__.py").resolve()) and handed["name"] == "the real one", handed
+    assert handed["version"] == "0.0.1" and handed["held"]
+    # 2. transformers as installed, from the repository root and from elsewhere: the same answer to its probe, the
+    # real package (if any) or our bare folder behind `import kernels`, and a Llama model that builds and runs.
+    script = """
+import importlib.util, json, os
+import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.utils.import_utils import is_kernels_available
+available = is_kernels_available()
+spec = importlib.util.find_spec("kernels")
+found = None if spec is None else spec.origin
+if found is not None:
+    import kernels
+    found = os.path.realpath(kernels.__file__)
+    found = found if getattr(kernels, "__version__", None) else "bare:" + found
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-model = LlamaForCausalLM(config).eval()
 with torch.no_grad():
-    logits = model(torch.tensor([[1, 2, 3]])).logits
-print(json.dumps({"origin": str(Path(spec.origin).resolve()), "light": light,
-                  "available": is_kernels_available(), "logits": list(logits.shape)}))
+    logits = LlamaForCausalLM(config).eval()(torch.tensor([[1, 2, 3]])).logits
+print(json.dumps({"available": available, "kernels": found, "logits": list(logits.shape)}))
 """
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["origin"] == str(REPO / "kernels" / "__init__.py"), "the probe did not even see our folder"
-    assert report["light"], "importing kernels/ must not import torch or triton"
-    assert report["available"] is False
-    assert report["logits"] == [1, 3, 64]
+    at_root, elsewhere = _from(REPO, script), _from(tmp_path, script)
+    assert at_root["logits"] == elsewhere["logits"] == [1, 3, 64]
+    assert at_root["available"] == elsewhere["available"], (at_root, elsewhere)
+    if elsewhere["kernels"] is None:  # PyPI's kernels is not installed: the probe sees our bare folder
+        assert at_root == {**elsewhere, "kernels": "bare:" + ours}
+    else:                             # it is: `import kernels` from the root gets it, not our folder
+        assert at_root["kernels"] == elsewhere["kernels"] != ours, (at_root, elsewhere)
 
 
 def test_kernel_bench_without_cuda_says_why_and_succeeds(capsys: pytest.CaptureFixture[str]) -> None:

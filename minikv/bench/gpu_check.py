@@ -57,12 +57,15 @@ def run_part(name: str, command: list[str], json_file: Path | None, timeout: flo
     env = dict(os.environ, NVIDIA_TF32_OVERRIDE="0")  # fp32 parity: no TF32 shortcuts in cuBLAS
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-        rc, out = done.returncode, done.stdout + done.stderr
+        rc, printed, out = done.returncode, done.stdout, done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
-        rc, out = None, f"timed out after {timeout:.0f} s: {(e.stdout or b'')[-2000:]!r}"
+        rc, printed, out = None, "", f"timed out after {timeout:.0f} s: {(e.stdout or b'')[-2000:]!r}"
     row = {"part": name, "command": " ".join(command), "returncode": rc, "seconds": time.perf_counter() - start}
     try:
-        row["result"] = json.loads(json_file.read_text()) if json_file else json.loads(out[out.index("{"):])
+        # the report is the JSON on stdout: stderr may carry warnings after it (a CUDA build of torch on a
+        # machine without CUDA warns "No CUDA runtime is found" when it builds the CPU kernel)
+        row["result"] = (json.loads(json_file.read_text()) if json_file
+                         else json.JSONDecoder().raw_decode(printed[printed.index("{"):])[0])
     except (ValueError, OSError):
         row["output_tail"] = out[-3000:]
     return row

@@ -43,7 +43,7 @@ def compare_prefix_reuse(model, prompts, block_size: int = 16, runs: int = 5, ve
         cache.reset()
         t0 = time.perf_counter()
         hit = cache.prefill_hits(ids)
-        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, do_sample=False,
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
                        max_new_tokens=1, pad_token_id=0)
         return time.perf_counter() - t0, ids.shape[1] - hit
 
@@ -82,7 +82,7 @@ def _smollm2_figures() -> None:  # pragma: no cover - prints the stage-5 figures
     cache = PagedKVCache(model.config, 256, 16, dtype=model.dtype, device=model.device)
     cache.prefill_hits(ids)
     with torch.inference_mode():
-        model.generate(ids, cache=cache, num_beams=4, do_sample=False, max_new_tokens=48)
+        model.generate(ids, past_key_values=cache, num_beams=4, do_sample=False, max_new_tokens=48)
     print(f"SmolLM2 beam search, num_beams=4, {ids.shape[1]}-token prompt, block 16:\n{sharing_report(cache)}")
     used, unshared = map(sum, zip(*((u, n) for _, u, n in cache.sharing_history)))
     print(f"block-steps used {used} of {unshared} unshared: {1 - used / unshared:.1%} saved; "

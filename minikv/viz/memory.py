@@ -138,7 +138,11 @@ class MemoryMapWidget:
     def _repr_mimebundle_(self, **kwargs):
         import base64
 
-        bundle = self.box._repr_mimebundle_(**kwargs) or {}
+        if hasattr(self.box, "_repr_mimebundle_"):  # ipywidgets 8
+            bundle = self.box._repr_mimebundle_(**kwargs) or {}
+        else:  # ipywidgets 7 (Colab's 7.7.1) displays through _ipython_display_: the same view, spelled out
+            bundle = {"text/plain": repr(self.box)[:110], "application/vnd.jupyter.widget-view+json": {
+                "version_major": 2, "version_minor": 0, "model_id": self.box.model_id}}
         bundle["image/png"] = base64.b64encode(self.png).decode()
         return bundle
 

@@ -514,14 +514,12 @@ BLOCK_SIZE = 7
 
 @functools.lru_cache(maxsize=1)
 def _real_model():
-    """(model, name, input_ids, attention_mask, DynamicCache's greedy tokens), once per process."""
+    """(model, name, input_ids, attention_mask, DynamicCache's greedy tokens) in float32, once per process."""
     from transformers import DynamicCache
 
     from minikv.models import ModelNotAvailable, load_model, tiny_random_llama
 
-    try:
-        # float32 on the CPU whatever the machine or $MINIKV_DTYPE: the check asserts token equality, which
-        # only float32 promises (a T4's float16 may flip a near-tie), and a grade must be the same everywhere
+    try:  # float32 on any machine or $MINIKV_DTYPE: equality is asserted, which only float32 promises
         model, tokenizer = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                                add_generation_prompt=True) for q in CHATS]
@@ -534,7 +532,7 @@ def _real_model():
         mask = torch.ones_like(ids)
         mask[1, :4] = mask[2, :7] = 0  # left padding
     with torch.inference_mode():
-        expected = model.generate(ids, attention_mask=mask, cache=DynamicCache(config=model.config),
+        expected = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config),
                                   do_sample=False, max_new_tokens=NEW_TOKENS)
     return model, name, ids, mask, expected
 
@@ -557,7 +555,7 @@ def check_real_model_with_your_allocator_and_table(ns):
                          table_cls=table_cls)
     try:
         with torch.inference_mode():
-            out = call(model.generate, ids, attention_mask=mask, cache=cache, do_sample=False,
+            out = call(model.generate, ids, attention_mask=mask, past_key_values=cache, do_sample=False,
                        max_new_tokens=NEW_TOKENS)
     except AssertionError:
         raise

@@ -219,8 +219,7 @@ def smollm2_under_pressure(admit, victim, max_tokens: int = 10, num_blocks: int 
     from minikv.sampling import SamplingParams
 
     try:
-        # float32 on the CPU whatever the machine or $MINIKV_DTYPE: the check asserts token equality, which
-        # only float32 promises (a T4's float16 may flip a near-tie), and a grade must be the same everywhere
+        # float32 whatever the machine or $MINIKV_DTYPE: token equality is asserted, which only float32 promises
         model, tok = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
         name = "SmolLM2-135M"
         prompts = [tok.encode(p) for p in SMOL_PROMPTS]
