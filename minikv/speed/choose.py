@@ -43,14 +43,19 @@ def host_key() -> str:
     return f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 
-def forced_path(path: str | None = None) -> str | None:
-    """The path forced by the argument, else by $MINIKV_LINEAR; None (measure) if neither or "measure"."""
+def requested(path: str | None = None) -> str | None:
+    """What the argument asks for, else $MINIKV_LINEAR: None (what is remembered, else measure), "measure"
+    (measure now) or one of PATHS (forced)."""
     path = path if path is not None else os.environ.get(ENV) or None
-    if path in (None, "measure"):
-        return None
-    if path not in PATHS:
+    if path not in (None, "measure", *PATHS):
         raise ValueError(f"{ENV} / --linears must be one of {', '.join(('measure', *PATHS))}, not {path!r}")
     return path
+
+
+def forced_path(path: str | None = None) -> str | None:
+    """The path forced by the argument, else by $MINIKV_LINEAR; None (measure) if neither or "measure"."""
+    asked = requested(path)
+    return None if asked == "measure" else asked
 
 
 def fastest(candidates: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1) -> tuple[str, dict]:

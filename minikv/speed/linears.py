@@ -27,14 +27,13 @@ the separate calls' (``tests/test_runner.py`` checks that on the row counts a st
 from __future__ import annotations
 
 import bisect
-import os
 import time
 import weakref
 from contextlib import contextmanager
 
 import torch
 
-from minikv.speed.choose import ENV, PATHS, choices, cpu_model, fastest, forced_path
+from minikv.speed.choose import PATHS, choices, cpu_model, fastest, requested
 
 __all__ = ["MERGED", "PackedLinears", "merged_linear", "packed_linear"]
 
@@ -126,7 +125,7 @@ class Plan:
     def describe(self) -> str:
         """e.g. "1-3 eager, 4-31 mkl, 32+ onednn"."""
         runs, last = [], None
-        for i, bucket in enumerate(ROW_BUCKETS):
+        for bucket in ROW_BUCKETS:
             path = self.by_bucket[bucket]
             if path != last:
                 runs.append([bucket, path])
@@ -315,8 +314,10 @@ class PackedLinears:
             by_shape.setdefault(packed[m].shape, []).append((packed[m], m.bias))
         self.packed = [p for entries in by_shape.values() for p, _ in entries]   # every weight's packed copies
         start = time.perf_counter()
-        forced, fresh = forced_path(path), (path or os.environ.get(ENV)) == "measure"
-        self.plans = {shape: self._plan(shape, entries, forced, fresh) for shape, entries in by_shape.items()}
+        asked, measured = requested(path), {}
+        self.plans = {shape: self._plan(shape, entries, asked, measured) for shape, entries in by_shape.items()}
+        if measured:
+            choices().put(measured)   # one write of the remembered choices, however many shapes were measured
         self.seconds = time.perf_counter() - start
         for shape, entries in by_shape.items():
             for p, _ in entries:
@@ -328,16 +329,18 @@ class PackedLinears:
             self.graph_forwards[m] = self._graph_forward(m)
 
     @staticmethod
-    def _plan(shape: tuple[int, int], entries, forced: str | None, fresh: bool) -> Plan:
+    def _plan(shape: tuple[int, int], entries, asked: str | None, measured: dict) -> Plan:
+        """The plan of one shape as `asked` (see minikv.speed.choose.requested); a measured one is added to
+        `measured`, for the caller to remember."""
         paths = entries[0][0].paths
-        if forced is not None:
-            return Plan(dict.fromkeys(ROW_BUCKETS, forced if forced in paths else "onednn"), how="forced")
+        if asked in PATHS:
+            return Plan(dict.fromkeys(ROW_BUCKETS, asked if asked in paths else "onednn"), how="forced")
         question = f"linear {shape[0]}x{shape[1]} fp32"
-        known = None if fresh else choices().get(question)
+        known = None if asked == "measure" else choices().get(question)
         if known is not None and set(known["by_bucket"].values()) <= set(paths):
             return Plan({int(b): p for b, p in known["by_bucket"].items()}, how="remembered")
         plan = measure_plan([p for p, _ in entries], [b for _, b in entries], paths)
-        choices().put({question: {"by_bucket": plan.by_bucket, "ms": plan.ms}})
+        measured[question] = {"by_bucket": plan.by_bucket, "ms": plan.ms}
         return plan
 
     def describe(self) -> str:
