@@ -21,6 +21,8 @@ BENCHES = {  # name -> module in minikv.bench exposing cli(argv) -> int
     "steps": "One step's cost, minikv vs vLLM's CPU build (--vllm), shape by shape: a prefill, decode at "
              "batches 1..8; --model depth30 for the fixed cost per step.",
     "roofline": "This host's read bandwidth and fp32 matmul peak, measured in-process, and SmolLM2's step floors.",
+    "sampling": "Drawing a step's sampled tokens: minikv's draw (one uniform number per row, walked along the "
+                "cumulative distribution) vs torch.multinomial, rows 1..64.",
     "linear": "One matmul on SmolLM2's shapes: eager F.linear vs a oneDNN-prepacked weight, M = 1..2048 rows.",
     "ops": "A step's heavy operators, minikv's vs vLLM's CPU build's on the same tensors: each linear and a "
            "prompt's attention, summed over a forward.",

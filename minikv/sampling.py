@@ -14,8 +14,18 @@ through a batch.
   draw per step, so its tokens do not depend on which other requests share the batch. Rows
   without one share torch's global generator.
 
-The masking is vectorized over the whole batch; only seeded rows draw one at a time (a draw is
-microseconds next to the model's forward).
+**How a token is drawn: one uniform number, walked along the cumulative distribution.** Draw u in [0, 1),
+and take the first token whose cumulative probability exceeds u times the total: token i is taken for a u
+in a stretch of length p_i, so with probability p_i, and a token of probability 0 has a stretch of length 0.
+The sums run in float64, so rounding moves a boundary by far less than any probability a model gives.
+``torch.multinomial`` draws the same distribution, but on the CPU it took 0.86 ms a row over SmolLM2's
+49,152 tokens (it draws a random number per token): 16 ms of a batch-16 decode step that takes 34 ms.
+Served with sampling (temperature 1.0 is the default, and `vllm bench serve` leaves it in place) every
+step paid almost a millisecond per running request; the walk takes 0.15 ms for 8 rows
+(``python -m minikv bench sampling`` prints both).
+
+The masking and the draws are vectorized over the whole batch; only seeded rows draw their number one
+at a time, each from its own generator.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import torch
 
 from minikv.validation import InvalidArgument, check_bool, check_int, check_int_list, check_number, check_str_list
 
-__all__ = ["SamplingParams", "apply_top_k_top_p", "make_generator", "sample"]
+__all__ = ["SamplingParams", "apply_top_k_top_p", "draw", "make_generator", "sample"]
 
 
 @dataclass
@@ -125,12 +135,22 @@ def sample(
             top_p = torch.tensor([p.top_p for p in chosen], device=logits.device)
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
-        unseeded = [j for j, i in enumerate(random_rows) if generators[i] is None]
-        if unseeded:
-            drawn = torch.multinomial(probs[unseeded], 1).squeeze(1)
-            tokens[index[unseeded]] = drawn
-        for j, i in enumerate(random_rows):
-            if generators[i] is not None:
-                # This row's draw uses only its own generator and its own probabilities.
-                tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+        tokens[index] = draw(probs, [generators[i] for i in random_rows])
     return tokens.tolist()
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs` [rows, vocab], token i with probability probs[row, i] / the row's sum: one
+    uniform number per row, found in the row's cumulative distribution (see the module's docstring). A row
+    with a generator takes its number from it alone."""
+    rows = probs.shape[0]
+    u = torch.empty(rows, 1, dtype=torch.float64, device=probs.device)
+    unseeded = [j for j, g in enumerate(generators) if g is None]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded), 1, dtype=torch.float64, device=probs.device)
+    for j, g in enumerate(generators):
+        if g is not None:
+            u[j] = torch.rand(1, dtype=torch.float64, generator=g, device=probs.device)
+    cdf = probs.double().cumsum(dim=-1)
+    # The first token whose cumulative sum exceeds u x total; u < 1 keeps it inside the vocabulary.
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)

@@ -104,3 +104,18 @@ def test_sampling_follows_the_distribution():
     torch.manual_seed(0)
     counts = torch.bincount(torch.tensor(sample(logits, [SamplingParams()] * 4000)), minlength=4) / 4000
     assert torch.allclose(counts, probs, atol=0.03)
+
+
+def test_draw_never_takes_a_token_of_probability_zero_and_stays_in_the_vocabulary():
+    """The walk along the cumulative distribution: zero-probability tokens (top-k/top-p cuts, the first and last
+    token included) are never drawn, and every draw is a token of the row, over many draws."""
+    from minikv.sampling import draw
+
+    probs = torch.zeros(3, 50)
+    probs[0, [1, 48]] = torch.tensor([0.25, 0.75])     # the first and last tokens have probability 0
+    probs[1, 0] = 1.0                                   # all mass on token 0
+    probs[2, 49] = 2.0                                  # all mass on the last token, unnormalized
+    torch.manual_seed(1)
+    got = torch.stack([draw(probs, [None] * 3) for _ in range(2000)])
+    assert set(got[:, 0].tolist()) == {1, 48} and (got[:, 1] == 0).all() and (got[:, 2] == 49).all()
+    assert abs((got[:, 0] == 48).float().mean().item() - 0.75) < 0.04
