@@ -286,7 +286,10 @@ class ModelRunner:
     def describe(self) -> str:
         """The speed levers chosen at start, in words (LLMEngine.speed_levers)."""
         linears = self.packed.describe() if self.packed is not None else "linears: eager F.linear (not prepacked)"
-        return f"attention: {self.attn_backend}; " + linears
+        compiled = "" if self.compiled is None else (
+            f"\n  compiled forward: {self.compiled.startup_s:.1f} s to compile at start; "
+            f"artifacts {self.compiled.cache}")
+        return f"attention: {self.attn_backend}; " + linears + compiled
 
     @property
     def pool_bytes(self) -> int:

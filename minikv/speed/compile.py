@@ -26,14 +26,24 @@ specializes sizes 0 and 1, and compiling a second graph for them costs more than
 The cost is start-up: the first compilation takes one to four minutes on two busy cores (inductor
 writes and builds C++), which is why it is off by default (``make demo`` and the notebooks build
 engines in seconds).
-Inductor keeps its compiled code in a cache on disk (``torch._inductor.config.fx_graph_cache``), so
-a second process re-traces the model but skips most of the code generation; ``startup_s`` records
-what this process paid.
+
+**Paid once per host.** After its warm-up step compiles, the forward saves what torch compiled
+(``torch.compiler.save_cache_artifacts``: inductor's C++ and its graphs) to
+``$MINIKV_CACHE/compiled/<key>.bin``, the key naming the host (:func:`minikv.speed.choose.host_key`: CPU,
+torch, threads), the model's config and the freezing switch. The next start loads that file into torch's
+caches before it compiles (``load_cache_artifacts``), so it re-traces the model (seconds) and builds no C++.
+torch keeps the same caches in its own folder (``/tmp/torchinductor_<user>`` by default), which a reboot or
+a fresh Colab runtime empties; ``$MINIKV_CACHE`` is where the converted model already lives. A file that
+cannot be read or written is not an error: the forward then compiles as if it were not there.
+``startup_s`` records what this process paid, ``cache`` what it did with the file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -55,6 +65,8 @@ class CompiledForward:
         self.forward = torch.compile(model.forward, dynamic=True, options={"freezing": freezing})
         self.startup_s = 0.0  # seconds spent compiling (the warm-up step), recorded by warm_up
         self.steps = 0  # steps run compiled
+        self.artifacts = artifacts_path(model, freezing)
+        self.cache = "not kept"  # what warm_up did with the artifacts file: "loaded", "saved" or why neither
 
     @staticmethod
     def applies(plan) -> bool:
@@ -62,7 +74,56 @@ class CompiledForward:
         return plan.num_tokens >= 2
 
     def warm_up(self, run_step) -> None:
-        """Compile now, by running one step (``run_step()``), and record how long that took."""
+        """Compile now, by running one step (``run_step()``), and record how long that took: with the artifacts
+        of an earlier start loaded first if there are any, else saving this start's for the next."""
         start = time.perf_counter()
+        loaded = self._load()
         run_step()
         self.startup_s = time.perf_counter() - start
+        if not loaded:
+            self._save()
+
+    def _load(self) -> bool:
+        if self.artifacts is None or not self.artifacts.exists():
+            return False
+        try:   # torch returns None for bytes it cannot read (another torch's, a torn file)
+            info = torch.compiler.load_cache_artifacts(self.artifacts.read_bytes())
+            why = "torch could not read it" if info is None else None
+        except Exception as err:
+            why = f"{type(err).__name__}: {err}"
+        if why is not None:   # compile from scratch, and save anew
+            self.cache = f"{self.artifacts} unreadable ({why}): compiled anew"
+            return False
+        self.cache = f"loaded {self.artifacts}"
+        return True
+
+    def _save(self) -> None:
+        if self.artifacts is None:
+            return
+        try:
+            saved = torch.compiler.save_cache_artifacts()
+            if saved is None:
+                self.cache = "torch returned no artifacts to keep"
+                return
+            self.artifacts.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.artifacts.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(saved[0])
+            tmp.replace(self.artifacts)   # atomic: two processes compiling at once each leave a whole file
+            # after an unreadable file, say so and that it was replaced
+            self.cache = ("" if self.cache == "not kept" else self.cache + "; ") + f"saved {self.artifacts}"
+        except OSError as err:
+            self.cache = f"not kept ({err})"
+
+
+def artifacts_path(model: torch.nn.Module, freezing: bool) -> Path | None:
+    """Where this host's compiled artifacts of this model are kept (None: minikv.models is not importable)."""
+    try:
+        from minikv.models import cache_dir
+    except ImportError:
+        return None
+    from minikv.speed.choose import host_key
+
+    config = getattr(model, "config", None)
+    spec = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else type(model).__name__
+    key = hashlib.sha256(f"{host_key()}|{spec}|freezing={freezing}".encode()).hexdigest()[:16]
+    return cache_dir() / "compiled" / f"{key}.bin"

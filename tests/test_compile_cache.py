@@ -1,0 +1,68 @@
+"""compile=True pays its compilation once per host: the artifacts a start saves in $MINIKV_CACHE make the next
+start's compile a cache hit, even when torch's own cache folder is empty (a reboot, a fresh Colab runtime).
+
+Each start is a fresh process (torch keeps compiled graphs in memory too), with its own empty
+TORCHINDUCTOR_CACHE_DIR: what the second one finds, it found in minikv's file. Counted, not timed: inductor's
+graph-cache hits and misses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHILD = r"""
+import json, sys
+import torch._dynamo.utils
+from minikv.engine import LLM
+from minikv.models import tiny_random_llama
+from minikv.sampling import SamplingParams
+from minikv_kernels import paged_attention_cpu
+
+if paged_attention_cpu.load() is None:
+    print(json.dumps({"skip": f"compile=True needs the CPU kernel: {paged_attention_cpu.why_not}"}))
+    sys.exit()
+llm = LLM(tiny_random_llama(seed=3), compile=True, verbose=False)
+params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+outs = llm.generate([{"prompt_token_ids": [5, 9, 17, 33, 2 + i]} for i in range(3)], params, use_tqdm=False)
+compiled = llm.engine.runner.compiled
+counts = torch._dynamo.utils.counters["inductor"]
+print(json.dumps({"cache": compiled.cache, "file": str(compiled.artifacts), "hits": counts["fxgraph_cache_hit"],
+                  "misses": counts["fxgraph_cache_miss"], "levers": llm.engine.speed_levers(),
+                  "tokens": [o.outputs[0].token_ids for o in outs]}))
+"""
+
+
+def start(cache, inductor) -> dict:
+    env = dict(os.environ, MINIKV_CACHE=str(cache), TORCHINDUCTOR_CACHE_DIR=str(inductor), MINIKV_LINEAR="onednn")
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in got:
+        pytest.skip(got["skip"])
+    return got
+
+
+def test_a_second_start_loads_what_the_first_compiled(tmp_path):
+    first = start(tmp_path / "minikv", tmp_path / "inductor-1")
+    assert first["cache"].startswith("saved"), first["cache"]
+    assert os.path.getsize(first["file"]) > 0
+    assert first["misses"] >= 1            # it compiled: inductor generated code
+    assert "compiled forward" in first["levers"] and "saved" in first["levers"]
+
+    second = start(tmp_path / "minikv", tmp_path / "inductor-2")   # torch's own cache folder empty again
+    assert second["cache"].startswith("loaded"), second["cache"]
+    assert second["misses"] == 0 and second["hits"] >= 1, second   # every graph from minikv's file
+    assert second["tokens"] == first["tokens"]
+
+
+def test_an_unreadable_file_compiles_anew(tmp_path):
+    first = start(tmp_path / "minikv", tmp_path / "inductor-1")
+    with open(first["file"], "wb") as f:
+        f.write(b"not torch's artifacts")
+    again = start(tmp_path / "minikv", tmp_path / "inductor-2")
+    assert "unreadable" in again["cache"] and "saved" in again["cache"], again["cache"]
+    assert again["misses"] >= 1 and again["tokens"] == first["tokens"]
