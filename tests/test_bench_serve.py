@@ -37,9 +37,10 @@ def test_bench_serve_json_has_every_field(tmp_path):
     tl = run["timeline"]
     assert len(tl["t"]) >= 2 and set(tl) >= {"kv_usage", "running", "waiting", "preemptions_total",
                                             "prefix_hits_total", "prefix_queries_total", "blocks_used"}
-    # The peak is a polled gauge (every 50 ms), so it can miss the fullest step: it is only checked to be a
-    # share. That the building filled is shown by what cannot be missed: the engine had to preempt.
-    assert 0 < run["peak_kv_usage"] <= 1
+    # The peak is a polled gauge (every 250 ms), so it can miss the fullest step, and this load on the tiny model
+    # can start and end between two polls (the peak was 0.0 in one CI lane): it is only checked to be a share.
+    # That the building filled is shown by what cannot be missed: the engine had to preempt.
+    assert 0 <= run["peak_kv_usage"] <= 1
     assert run["preemptions"] > 0 and run["preemptions"] == run["preemptions_server"], \
         "24 blocks for 12 requests: the building should fill and evict"
     assert run["cached_tokens"] >= 32 * 5, "the shared system prompt should be served from the cache"
