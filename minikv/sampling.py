@@ -21,7 +21,7 @@ The sums run in float64, so rounding moves a boundary by far less than any proba
 ``torch.multinomial`` draws the same distribution, but on the CPU it took 0.86 ms a row over SmolLM2's
 49,152 tokens (it draws a random number per token): 16 ms of a batch-16 decode step that takes 34 ms.
 Served with sampling (temperature 1.0 is the default, and `vllm bench serve` leaves it in place) every
-step paid almost a millisecond per running request; the walk takes 0.15 ms for 8 rows
+step paid almost a millisecond per running request; the walk takes 0.18 ms for 8 rows
 (``python -m minikv bench sampling`` prints both).
 
 The masking and the draws are vectorized over the whole batch; only seeded rows draw their number one
