@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from minikv.bench import ops
-from minikv.bench.ops import TorchOps, cli, minikv_linear, minikv_prompt_attention, totals
+from minikv.bench.ops import TorchOps, cli, minikv_linears, minikv_prompt_attention, totals
 
 
 def test_the_command_with_a_stand_in_peer(capsys):
@@ -60,15 +60,16 @@ def test_minikvs_linears_route_as_the_engine_does():
     """The bench times minikv.speed.linears' own forwards (merged siblings, each call on the path chosen for its
     rows): the siblings' outputs, whatever the path, are F.linear's at a decode's and a prefill's rows."""
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, 48, generator=gen) for n in (32, 16, 16)]
-    forward = minikv_linear(weights)
-    joined = torch.cat(weights)
+    layers = [[torch.randn(n, 48, generator=gen) for n in (32, 16, 16)] for _ in range(3)]
+    forwards = minikv_linears(layers)
+    assert len(forwards) == 3
     with torch.inference_mode():
         for rows in (1, 3, 40):
             x = torch.randn(rows, 48, generator=gen)
-            out = forward(x)
-            assert [tuple(o.shape) for o in out] == [(rows, n) for n in (32, 16, 16)]
-            torch.testing.assert_close(torch.cat(out, -1), F.linear(x, joined), rtol=1e-5, atol=1e-5)
+            for forward, weights in zip(forwards, layers):   # each layer's callable computes its own weights
+                out = forward(x)
+                assert [tuple(o.shape) for o in out] == [(rows, n) for n in (32, 16, 16)]
+                torch.testing.assert_close(torch.cat(out, -1), F.linear(x, torch.cat(weights)), rtol=1e-5, atol=1e-5)
 
 
 def test_minikvs_prompt_attention_is_causal_attention():

@@ -129,20 +129,26 @@ def _minikv_module(name: str, path: Path):
     return module
 
 
-def minikv_linear(weights: list[torch.Tensor]):
-    """minikv's eager forward of one linear, each weight a sibling of a merged group (or one alone), as
-    ``PackedLinears`` routes it (the lm_head told apart by its size there): every sibling's forward called on
-    the one input, as a layer calls them. The call returns the siblings' outputs."""
+def minikv_linears(layers: list[list[torch.Tensor]]) -> list:
+    """minikv's eager forwards of one kind of linear in every layer, as ``PackedLinears`` routes them in a model:
+    each layer's weights are the siblings of a merged group (or one alone), and one ``PackedLinears`` holds them
+    all, so each row count's path is chosen as the engine chooses it, over every layer's weight of the shape
+    streaming from memory. (Chosen over one weight, hot in the cache, the plan took MKL at one row for three of
+    SmolLM2's shapes on an AMD EPYC, which then ran twice as slow as oneDNN over thirty layers.) One callable per
+    layer, as a layer calls its siblings on one input; it returns the siblings' outputs."""
     if "minikv.speed.choose" not in sys.modules:   # linears.py's one import of minikv, found under its own name
         sys.modules["minikv.speed.choose"] = _minikv_module("minikv.speed.choose", CHOOSE)
     linears = _minikv_module("minikv.speed.linears", LINEARS)
-    modules = []
-    for weight in weights:
-        module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-        module.weight = torch.nn.Parameter(weight, requires_grad=False)
-        modules.append(module)
-    forwards = list(linears.PackedLinears(_Holder(modules), merge=len(modules) > 1).forwards.values())
-    return lambda x: [forward(x) for forward in forwards]
+    holders = torch.nn.ModuleList()
+    for weights in layers:
+        modules = []
+        for weight in weights:
+            module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            module.weight = torch.nn.Parameter(weight, requires_grad=False)
+            modules.append(module)
+        holders.append(_Holder(modules))
+    packed = linears.PackedLinears(holders, merge=len(layers[0]) > 1)
+    return [lambda x, fs=[packed.forwards[m] for m in holder.children()]: [f(x) for f in fs] for holder in holders]
 
 
 class _Holder(torch.nn.Module):
@@ -218,7 +224,7 @@ def measure(spec: dict, peer) -> list[dict]:
             split = [config["intermediate_size"]] * 2
         else:
             split = [out_features]
-        ours = [minikv_linear(list(w.split(split))) for w in weights]
+        ours = minikv_linears([list(w.split(split)) for w in weights])
         theirs = [peer.linear(w) for w in weights]
         for m in (sorted({*spec["batches"], 1}) if name == "lm_head" else rows):   # a prefill's lm_head reads 1 row
             x = torch.randn(m, in_features, generator=gen)
