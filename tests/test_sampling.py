@@ -119,3 +119,13 @@ def test_draw_never_takes_a_token_of_probability_zero_and_stays_in_the_vocabular
     got = torch.stack([draw(probs, [None] * 3) for _ in range(2000)])
     assert set(got[:, 0].tolist()) == {1, 48} and (got[:, 1] == 0).all() and (got[:, 2] == 49).all()
     assert abs((got[:, 0] == 48).float().mean().item() - 0.75) < 0.04
+
+
+def test_bench_sampling_prints_one_row_per_batch_size(capsys):
+    """`python -m minikv bench sampling`: both ways timed, turn about, for each row count asked for."""
+    from minikv.bench.sampling import cli
+
+    assert cli(["--vocab", "300", "--rows", "1,3", "--repeat", "2"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["1", "3"]
+    assert all(float(r[1]) > 0 and float(r[2]) > 0 and r[3].endswith("x") for r in rows)

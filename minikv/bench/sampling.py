@@ -13,22 +13,12 @@ rows is fresh pages at every call, and the page faults, not the draw, are what g
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from minikv.bench.linear import alternate
 from minikv.sampling import draw
 from minikv.speed.malloc import keep_freed_memory
-
-
-def best_ms(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -44,11 +34,10 @@ def cli(argv: list[str] | None = None) -> int:
     print(f"{'rows':>6}{'draw ms':>10}{'multinomial ms':>16}{'ratio':>8}   top token drawn (draw / multinomial)")
     for rows in (int(r) for r in args.rows.split(",")):
         probs = (torch.randn(rows, args.vocab, generator=gen) * 3).softmax(-1)
-        ours = best_ms(lambda: draw(probs, [None] * rows), args.repeat)
-        theirs = best_ms(lambda: torch.multinomial(probs, 1), args.repeat)
+        ways = (lambda: draw(probs, [None] * rows), lambda: torch.multinomial(probs, 1).squeeze(1))
+        ours, theirs = (1e3 * min(times) for times in alternate(*ways, args.repeat, warmup=1))
         top, n = probs.argmax(-1), 200   # both must land on each row's likeliest token about as often as it weighs
-        share = [sum((f() == top).float().mean().item() for _ in range(n)) / n
-                 for f in (lambda: draw(probs, [None] * rows), lambda: torch.multinomial(probs, 1).squeeze(1))]
+        share = [sum((f() == top).float().mean().item() for _ in range(n)) / n for f in ways]
         print(f"{rows:>6}{ours:>10.3f}{theirs:>16.3f}{theirs / ours:>7.1f}x   {share[0]:.3f} / {share[1]:.3f} "
               f"(expected {probs.max(-1).values.mean().item():.3f})")
     return 0

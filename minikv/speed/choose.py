@@ -120,13 +120,18 @@ class Choices:
         if self.path is None:
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            data = self._read() | keyed
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-            tmp.replace(self.path)  # atomic: two processes measuring at once each leave a whole file
+            write_atomic(self.path, json.dumps(self._read() | keyed, indent=1, sort_keys=True).encode())
         except OSError:
             pass
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all: two processes writing at once each leave a whole file, the
+    last one's (a temporary file beside it, then renamed over it). Raises OSError as a write would."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
 
 
 _CHOICES: Choices | None = None

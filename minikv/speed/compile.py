@@ -45,11 +45,12 @@ an error: the forward then compiles as if it were not there. ``startup_s`` recor
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from pathlib import Path
 
 import torch
+
+from minikv.speed.choose import host_key, write_atomic
 
 __all__ = ["CompiledForward", "WARM_UP_DECODES", "WARM_UP_PREFILL"]
 
@@ -109,10 +110,7 @@ class CompiledForward:
             if saved is None:
                 self.cache = "torch returned no artifacts to keep"
                 return
-            self.artifacts.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.artifacts.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(saved[0])
-            tmp.replace(self.artifacts)   # atomic: two processes compiling at once each leave a whole file
+            write_atomic(self.artifacts, saved[0])   # two processes compiling at once each leave a whole file
             # after an unreadable file, say so and that it was replaced
             self.cache = ("" if self.cache == "not kept" else self.cache + "; ") + f"saved {self.artifacts}"
         except OSError as err:
@@ -125,8 +123,6 @@ def artifacts_path(model: torch.nn.Module, freezing: bool) -> Path | None:
         from minikv.models import cache_dir
     except ImportError:
         return None
-    from minikv.speed.choose import host_key
-
     config = getattr(model, "config", None)
     spec = config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else type(model).__name__
     key = hashlib.sha256(f"{host_key()}|{spec}|freezing={freezing}".encode()).hexdigest()[:16]
