@@ -46,3 +46,31 @@ def test_rounds_print_each_ratio_and_their_median(capsys):
 def test_rounds_are_bounded():
     with pytest.raises(ValueError, match="--rounds must be in"):
         parse_args(["--against", "vllm", "--rounds", "0"])
+
+
+def test_vllm_client_rounds_end_with_the_median_of_their_ratios(monkeypatch, capsys):
+    """With vLLM's client, several rounds at a rate end with each round's ratio and their median, as --rounds
+    promises (this path once printed the rounds' tables and no summary)."""
+    import argparse
+    import types
+
+    import httpx
+
+    from minikv.bench import vllm_peer
+
+    monkeypatch.setattr(vllm_peer, "settle", lambda *a, **k: None)
+    monkeypatch.setattr(httpx, "get", lambda url, **k: types.SimpleNamespace(
+        json=lambda: {"data": [{"id": url.split("/")[2]}]}))
+    tpot = iter([30.0, 20.0, 20.0, 20.0, 40.0, 20.0])   # minikv's, vLLM's, by turns: round 2 runs vLLM first
+
+    def fake_client(url, model, tokenizer, rate, args, seed):
+        return {"completed": 8, "request_throughput": 2.0, "output_throughput": 100.0, "p50_ttft_ms": 50.0,
+                "p50_tpot_ms": next(tpot), "p99_itl_ms": 20.0, "request_goodput": 2.0}
+
+    monkeypatch.setattr(against, "vllm_client", fake_client)
+    args = argparse.Namespace(rho=None, rounds=3, seed=0, input_len=200, max_output_len=64, num_requests=8,
+                              slo_ttft=1.0, slo_tpot=0.1)
+    assert against.run_vllm_client(args, [2.0], {"minikv": "http://minikv", "vllm": "http://vllm"}, None) == 0
+    out = capsys.readouterr().out
+    assert "minikv / vLLM over 3 rounds" in out
+    assert "1.50  1.00  2.00   median 1.50x" in out and "1.00  1.00  1.00   median 1.00x" in out

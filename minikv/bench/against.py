@@ -96,10 +96,11 @@ SUMMARY = [("output tokens/s", "output_throughput"), ("TTFT p50", ("ttft_ms", "p
            ("TPOT p50", ("tpot_ms", "p50")), ("ITL p99", ("itl_ms", "p99")), ("goodput", ("goodput", "fraction"))]
 
 
-def round_ratios(rounds: list[dict]) -> dict[str, list[float | None]]:
-    """minikv / vLLM of each summary figure, one per round (None where either is missing or zero)."""
+def round_ratios(rounds: list[dict], rows=None) -> dict[str, list[float | None]]:
+    """minikv / vLLM of each summary figure (`rows`: (title, key) pairs, default :data:`SUMMARY`), one per
+    round (None where either is missing or zero)."""
     out = {}
-    for title, key in SUMMARY:
+    for title, key in rows or SUMMARY:
         ratios = []
         for reps in rounds:
             a, b = _get(reps["minikv"], key), _get(reps["vllm"], key)
@@ -108,11 +109,11 @@ def round_ratios(rounds: list[dict]) -> dict[str, list[float | None]]:
     return out
 
 
-def print_rounds(rate: float, rounds: list[dict]) -> None:
+def print_rounds(rate: float, rounds: list[dict], rows=None) -> None:
     """Each round's minikv / vLLM ratio and their median: the figure to quote on a machine that drifts."""
     label = _rate_label(rate)
     print(f"-- rate {label}: minikv / vLLM over {len(rounds)} rounds, order alternating " + "-" * 10)
-    for title, ratios in round_ratios(rounds).items():
+    for title, ratios in round_ratios(rounds, rows).items():
         known = [x for x in ratios if x is not None]
         cells = " ".join("    -" if x is None else f"{x:5.2f}" for x in ratios)
         med = f"median {statistics.median(known):.2f}x" if known else "median -"
@@ -149,6 +150,9 @@ CLIENT_ROWS = [("completed", "completed", "{:.0f}"), ("requests/s", "request_thr
                ("TTFT p99 ms", "p99_ttft_ms", "{:.0f}"), ("TPOT p50 ms", "p50_tpot_ms", "{:.1f}"),
                ("TPOT p99 ms", "p99_tpot_ms", "{:.1f}"), ("ITL p99 ms", "p99_itl_ms", "{:.1f}"),
                ("goodput req/s", "request_goodput", "{:.2f}")]
+# What print_rounds summarises from vLLM's client: the issue's targets (p50 latencies, goodput) and the tails.
+CLIENT_SUMMARY = [("output tokens/s", "output_throughput"), ("TTFT p50", "p50_ttft_ms"), ("TPOT p50", "p50_tpot_ms"),
+                  ("ITL p99", "p99_itl_ms"), ("goodput", "request_goodput")]
 
 
 def run_vllm_client(args, rates, urls: dict, tokenizer: Path) -> int:
@@ -169,6 +173,7 @@ def run_vllm_client(args, rates, urls: dict, tokenizer: Path) -> int:
           f"out, {args.num_requests} requests, EOS ignored; goodput SLO TTFT {args.slo_ttft:g} s, TPOT "
           f"{args.slo_tpot:g} s")
     for i, rate in enumerate(rates):
+        rounds = []
         for r in range(args.rounds):
             reps = {}
             for name in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
@@ -181,6 +186,9 @@ def run_vllm_client(args, rates, urls: dict, tokenizer: Path) -> int:
                 ratio = f"{a / b:8.2f}x" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else ""
                 print(f"{title:18}{fmt.format(a) if a is not None else '-':>14}"
                       f"{fmt.format(b) if b is not None else '-':>14}{ratio:>9}")
+            rounds.append(reps)
+        if len(rounds) > 1:
+            print_rounds(rate, rounds, CLIENT_SUMMARY)
     return 0
 
 
