@@ -423,6 +423,8 @@ def cli(argv: list[str] | None = None) -> int:
             if mine in results:  # run by run: each ratio compares two runs made seconds apart
                 ratio, each = paired_ratio(results[mine]["runs"], results["vllm"]["runs"])
                 report[f"{mine}_vs_vllm"], report[f"{mine}_vs_vllm_runs"] = ratio, each
+                # the target's condition, shown whether or not a transformers reference ran beside them
+                report[f"{mine}_identical_to_vllm"] = sum(a == b for a, b in zip(outputs[mine], outputs["vllm"]))
         if reference:
             report["vllm_identical_to_transformers"] = sum(a == b for a, b in zip(outputs["vllm"], outputs[reference]))
     report["startup_seconds"] = startup
@@ -468,6 +470,9 @@ def cli(argv: list[str] | None = None) -> int:
                     print(f"{mine} / {other}: {report[f'{mine}_vs_{other}']:.2f}x" + (
                         f" (the median of {len(each)} runs side by side: {', '.join(f'{r:.2f}' for r in each)})"
                         if len(each) > 1 else ""))
+        for mine in minikv_args:
+            if f"{mine}_identical_to_vllm" in report:
+                print(f"{mine} outputs identical to vLLM's: {report[f'{mine}_identical_to_vllm']} of {n}")
         if "vllm_identical_to_transformers" in report:
             print(f"vLLM outputs identical to transformers ({reference}): "
                   f"{report['vllm_identical_to_transformers']} of {n}")
