@@ -96,11 +96,11 @@ SUMMARY = [("output tokens/s", "output_throughput"), ("TTFT p50", ("ttft_ms", "p
            ("TPOT p50", ("tpot_ms", "p50")), ("ITL p99", ("itl_ms", "p99")), ("goodput", ("goodput", "fraction"))]
 
 
-def round_ratios(rounds: list[dict], rows=None) -> dict[str, list[float | None]]:
-    """minikv / vLLM of each summary figure (`rows`: (title, key) pairs, default :data:`SUMMARY`), one per
-    round (None where either is missing or zero)."""
+def round_ratios(rounds: list[dict], rows: list[tuple] = SUMMARY) -> dict[str, list[float | None]]:
+    """minikv / vLLM of each summary figure (`rows`: (title, key) pairs), one per round (None where either is
+    missing or zero)."""
     out = {}
-    for title, key in rows or SUMMARY:
+    for title, key in rows:
         ratios = []
         for reps in rounds:
             a, b = _get(reps["minikv"], key), _get(reps["vllm"], key)
@@ -109,7 +109,7 @@ def round_ratios(rounds: list[dict], rows=None) -> dict[str, list[float | None]]
     return out
 
 
-def print_rounds(rate: float, rounds: list[dict], rows=None) -> None:
+def print_rounds(rate: float, rounds: list[dict], rows: list[tuple] = SUMMARY) -> None:
     """Each round's minikv / vLLM ratio and their median: the figure to quote on a machine that drifts."""
     label = _rate_label(rate)
     print(f"-- rate {label}: minikv / vLLM over {len(rounds)} rounds, order alternating " + "-" * 10)
