@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from minikv.bench import ops
-from minikv.bench.ops import TorchOps, cli, minikv_linears, minikv_prompt_attention, totals
+from minikv.bench.ops import TorchOps, cli, minikv_decode_attention, minikv_linears, minikv_prompt_attention, totals
 
 
 def test_the_command_with_a_stand_in_peer(capsys):
     assert cli(["--peer", "torch", "--model", "depth30", "--repeat", "2", "--prompts", "40,70", "--batches", "1,8",
-                "--json"]) == 0
+                "--context", "50", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["peer"] == "torch" and report["torch"] == torch.__version__
     results = report["results"]
@@ -29,8 +29,11 @@ def test_the_command_with_a_stand_in_peer(capsys):
     assert sorted(r["rows"] for r in results if r["name"].startswith("lm_head")) == [1, 8]
     # the prompt's attention minikv runs (its C++ kernel where it builds), and SDPA timed beside it, not summed
     kernel = ops.cpu_kernels() is not None
-    ran = [r["name"] for r in results if r["op"] == "attention" and r["runs"]]
-    assert ran == [f"prompt of {n}, {'C++ kernel' if kernel else 'SDPA'}" for n in (40, 70)]
+    ran = [(r["name"], r["rows"]) for r in results if r["op"] == "attention" and r["runs"]]
+    # and a decode step's attention at each batch, sequences of --context tokens and the new one, where the kernel
+    # runs it (without the kernel, minikv's gather path needs a step's plan: not timed here)
+    assert ran == [(f"prompt of {n}, {'C++ kernel' if kernel else 'SDPA'}", n) for n in (40, 70)] + \
+        ([("decode, context 51", b) for b in (1, 8)] if kernel else [])
     assert [r["name"] for r in results if r["op"] == "attention" and not r["runs"]] == \
         ([f"prompt of {n}, SDPA" for n in (40, 70)] if kernel else [])
     for r in results:   # the same arithmetic, up to summation order; real timings
@@ -45,8 +48,11 @@ def test_the_command_with_a_stand_in_peer(capsys):
         [r for r in results if r["name"].startswith("lm_head") and r["rows"] == 1]
     assert len(prefill) == 6 and report["totals"]["prefill of 40"][0] == pytest.approx(
         sum(r["minikv_ms"] for r in prefill))
-    assert report["totals"]["decode step at batch 8, linears"][1] == pytest.approx(
-        sum(r["peer_ms"] for r in results if r["op"] == "linear" and r["rows"] == 8))
+    # a decode step at batch 8: every layer's linear and the lm_head at 8 rows, and the decode's attention
+    decode = [r for r in results if r["rows"] == 8 and (r["op"] == "linear" or r["name"].startswith("decode"))]
+    assert len(decode) == 5 + kernel
+    label = "decode step at batch 8, " + ("linears and attention" if kernel else "linears")
+    assert report["totals"][label][1] == pytest.approx(sum(r["peer_ms"] for r in decode))
 
 
 def test_the_table(capsys):
@@ -85,6 +91,26 @@ def test_minikvs_prompt_attention_is_causal_attention():
         torch.testing.assert_close(mine[0], v[0].repeat_interleave(3, 0))   # the first token sees only itself
 
 
+@pytest.mark.skipif(ops.cpu_kernels() is None, reason="minikv's C++ kernels do not build here")
+def test_minikvs_decode_attention_reads_each_sequence_through_its_block_table():
+    """Scattered blocks, sequences spanning a partial last block, the new token written by the call itself: the
+    last layer's output is attention by its definition over every position, the new one included."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(5, 6, 16, generator=gen)
+    keys, values = torch.randn(5, 37, 2, 16, generator=gen), torch.randn(5, 37, 2, 16, generator=gen)
+    reference = TorchOps().decode_attention(q, keys, values, 0.25, 1, gen)()
+    changed = values.clone()
+    changed[:, -1] += 1   # the new token's value
+    with torch.inference_mode():   # as the bench calls it
+        call = minikv_decode_attention(q, keys, values, 0.25, 3, gen)
+        mine, again = call(), call()   # a second step writes the same token again
+        moved = minikv_decode_attention(q, keys, changed, 0.25, 1, gen)()
+    assert mine.shape == (5, 6, 16)
+    torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, mine)
+    assert not torch.allclose(moved, mine)   # the new token's value is read: the output moves
+
+
 def test_without_vllm_it_says_how_to_get_it(capsys):
     assert cli(["--vllm-venv", "/nonexistent/venv", "--model", "depth30"]) == 2
     assert "make vllm" in capsys.readouterr().out
@@ -97,7 +123,7 @@ def test_another_torch_build_is_refused(monkeypatch, capsys):
     assert "another PyTorch build" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("bad", [["--batches", "0"], ["--prompts", "two"], ["--repeat", "0"]])
+@pytest.mark.parametrize("bad", [["--batches", "0"], ["--prompts", "two"], ["--repeat", "0"], ["--context", "0"]])
 def test_bad_options_say_what_is_wrong(bad, capsys):
     with pytest.raises(SystemExit) as stop:
         cli(bad)

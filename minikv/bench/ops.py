@@ -11,13 +11,16 @@ of a step, each as minikv runs it and as vLLM runs it, on the same tensors, alte
   and causal attention over them, minikv's ``index_copy_`` and its C++ prompt kernel (the fresh-prompt
   branch of ``minikv.dispatch.attend_layer``; PyTorch's ``scaled_dot_product_attention``, which it runs without
   the kernel, is timed beside) against vLLM's ``cpu_attn_reshape_and_cache`` and
-  ``cpu_attention_with_kv_cache``.
+  ``cpu_attention_with_kv_cache``;
+* a decode step's attention at each batch, every sequence ``--context`` tokens long: the new token's K/V
+  written at its slot, then one query per sequence reading its K/V through its block table, each engine in
+  its own layout (minikv: blocks of 16 tokens, head-major; vLLM's CPU default: blocks of 128), blocks
+  scattered over the pool as a served pool ends up: minikv's ``index_copy_`` and C++ decode kernel (the
+  kernel branch of ``minikv.dispatch.attend_layer``) against the same two vLLM calls.
 
-A decode step's attention is not here: minikv's (``kernels/``, ``minikv.attention.attend_gathered``) needs the
-engine's plan; `bench steps` times decode steps whole. Every timed call runs one
-forward's worth of its operator (each layer's own weights, so a small-row matmul streams them from
-memory as in a step); summed over a forward, the figures say how much of `bench steps`' prefill gap
-the operators account for.
+Every timed call runs one forward's worth of its operator (each layer's own weights, and each layer's own
+K/V, so that a small-row matmul and a decode's attention stream from memory as in a step); summed over a
+forward, the figures say how much of `bench steps`' gap, prefill and decode, the operators account for.
 
 vLLM's operators are compiled against its virtualenv's PyTorch, so everything runs there; minikv's side
 is PyTorch alone and four minikv files that import nothing else (``minikv/speed/linears.py`` and its chooser
@@ -67,28 +70,72 @@ class VllmOps:
         handler = self.ops.create_onednn_mm(weight.t(), 32)   # as vLLM's dispatch_cpu_unquantized_gemm does
         return lambda x: self.ops.onednn_mm(handler, x, None)
 
-    def prompt_attention(self, q, k, v, scale: float, block_size: int = 128):
-        """q [T, H, D], k/v [T, KVH, D] -> a call writing k/v into a paged cache and returning [T, H, D]."""
-        tokens, heads, head_dim = q.shape
-        kv_heads, blocks = k.shape[1], -(-tokens // block_size)
-        cache = torch.zeros(blocks, kv_heads, 2 * block_size, head_dim)   # vLLM's CPU layout: K and V per block
-        key_cache, value_cache = cache.chunk(2, dim=2)
-        slots = torch.arange(tokens, dtype=torch.int64)
-        starts, lengths = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
-        table = torch.arange(blocks, dtype=torch.int32).view(1, -1)
+    def _attention(self, q, kv_heads: int, starts, lengths, scale: float, block_size: int):
+        """vLLM's CPU attention as its backend runs a layer, on scheduler metadata made once here: store(k, v,
+        key_cache, value_cache, slots) writes K/V rows at their slots, attend(key_cache, value_cache, table, out)
+        runs the kernel for the queries q [tokens, H, D], each sequence's starting at ``starts``."""
         isa = "vec" if block_size % 32 == 0 else "vec16"
         metadata = self.ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, seq_lens=lengths,
-            dtype=q.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
+            num_reqs=len(lengths), num_heads=q.shape[1], num_kv_heads=kv_heads, head_dim=q.shape[2],
+            seq_lens=lengths, dtype=q.dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
             enable_kv_split=True)   # VLLM_CPU_ATTN_SPLIT_KV, on by default
-        out = torch.empty_like(q)
 
-        def call():
+        def store(k, v, key_cache, value_cache, slots):
             self.ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+
+        def attend(key_cache, value_cache, table, out):
             self.ops.cpu_attention_with_kv_cache(
                 query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
                 seq_lens=lengths, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
                 block_table=table, softcap=0.0, scheduler_metadata=metadata, s_aux=None)
+            return out
+
+        return store, attend
+
+    def prompt_attention(self, q, k, v, scale: float, block_size: int = 128):
+        """q [T, H, D], k/v [T, KVH, D] -> a call writing k/v into a paged cache and returning [T, H, D]."""
+        tokens, kv_heads = q.shape[0], k.shape[1]
+        blocks = -(-tokens // block_size)
+        cache = torch.zeros(blocks, kv_heads, 2 * block_size, q.shape[2])   # vLLM's CPU layout: K and V per block
+        key_cache, value_cache = cache.chunk(2, dim=2)
+        slots = torch.arange(tokens, dtype=torch.int64)
+        starts, lengths = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+        table = torch.arange(blocks, dtype=torch.int32).view(1, -1)
+        store, attend = self._attention(q, kv_heads, starts, lengths, scale, block_size)
+        out = torch.empty_like(q)
+
+        def call():
+            store(k, v, key_cache, value_cache, slots)
+            return attend(key_cache, value_cache, table, out)
+
+        return call
+
+    def decode_attention(self, q, keys, values, scale: float, layers: int, gen, block_size: int = 128):
+        """One query per sequence (q [S, H, D]) over keys/values [S, L, KVH, D], the last position being the new
+        token's: per layer a pool of scattered blocks holding the first L - 1, and a call that writes the new
+        token's K/V at its slot and attends, layer after layer; it returns the last layer's output [S, H, D]."""
+        seqs, length, kv_heads, head_dim = keys.shape
+        per_seq = -(-length // block_size)
+        lengths = torch.full((seqs,), length, dtype=torch.int32)
+        store, attend = self._attention(q, kv_heads, torch.arange(seqs + 1, dtype=torch.int32), lengths, scale,
+                                        block_size)
+        new_k, new_v = keys[:, -1].contiguous(), values[:, -1].contiguous()
+        stores = []
+        for _ in range(layers):
+            table = torch.randperm(seqs * per_seq, generator=gen).view(seqs, per_seq).to(torch.int32)
+            key_cache, value_cache = torch.zeros(seqs * per_seq, kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+            pos = torch.arange(length - 1)
+            slots = (table[:, pos // block_size].long() * block_size + pos % block_size).flatten()
+            store(keys[:, :-1].reshape(-1, kv_heads, head_dim), values[:, :-1].reshape(-1, kv_heads, head_dim),
+                  key_cache, value_cache, slots)
+            last = table[:, (length - 1) // block_size].long() * block_size + (length - 1) % block_size
+            stores.append((key_cache, value_cache, table, last))
+        out = torch.empty_like(q)
+
+        def call():
+            for key_cache, value_cache, table, last in stores:
+                store(new_k, new_v, key_cache, value_cache, last)
+                attend(key_cache, value_cache, table, out)
             return out
 
         return call
@@ -111,6 +158,21 @@ class TorchOps:
             keys, values = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
             scores = torch.einsum("thd,shd->hts", q, keys).mul(scale).masked_fill(~mask, float("-inf"))
             return torch.einsum("hts,shd->thd", scores.softmax(-1), values)
+
+        return call
+
+    def decode_attention(self, q, keys, values, scale: float, layers: int, gen, block_size: int = 16):
+        """Each layer's K/V contiguous per sequence; the new token's K/V written, then SDPA, K/V repeated per head."""
+        group = q.shape[1] // keys.shape[2]
+        caches = [(keys.clone(), values.clone()) for _ in range(layers)]
+        new_k, new_v = keys[:, -1].clone(), values[:, -1].clone()
+
+        def call():
+            for k, v in caches:
+                k[:, -1], v[:, -1] = new_k, new_v
+                out = F.scaled_dot_product_attention(q.unsqueeze(2), k.repeat_interleave(group, 2).transpose(1, 2),
+                                                     v.repeat_interleave(group, 2).transpose(1, 2), scale=scale)
+            return out[:, :, 0]
 
         return call
 
@@ -194,6 +256,37 @@ def minikv_prompt_attention(q, k, v, scale: float, kernel: bool, block_size: int
     return call
 
 
+def minikv_decode_attention(q, keys, values, scale: float, layers: int, gen, block_size: int = 16):
+    """The kernel branch of ``minikv.dispatch.attend_layer`` for a decode batch: per layer a head-major store
+    [KVH, blocks, block_size, D] whose blocks are scattered, holding the first L - 1 positions of keys/values
+    [S, L, KVH, D]; the call writes the new token's K/V at its slots (``index_copy_``) and runs the C++ decode
+    kernel, layer after layer, and returns the last layer's output [S, H, D]."""
+    seqs, length, kv_heads, head_dim = keys.shape
+    per_seq = -(-length // block_size)
+    kernel = cpu_kernels()
+    lengths = torch.full((seqs,), length, dtype=torch.int32)
+    new_k, new_v = (x[:, -1].transpose(0, 1).contiguous() for x in (keys, values))   # [KVH, S, D]
+    stores = []
+    for _ in range(layers):
+        table = torch.randperm(seqs * per_seq, generator=gen).view(seqs, per_seq).to(torch.int32)
+        slots = (table.long().repeat_interleave(block_size, 1) * block_size
+                 + torch.arange(per_seq * block_size) % block_size)[:, :length]   # [S, L]
+        k_store, v_store = (torch.zeros(kv_heads, seqs * per_seq, block_size, head_dim) for _ in range(2))
+        for store, x in ((k_store, keys), (v_store, values)):
+            store.view(kv_heads, -1, head_dim)[:, slots[:, :-1].flatten()] = x[:, :-1].reshape(-1, kv_heads,
+                                                                                               head_dim).transpose(0, 1)
+        stores.append((k_store, v_store, table, slots[:, -1].contiguous()))
+
+    def call():
+        for k_store, v_store, table, last in stores:
+            k_store.view(kv_heads, -1, head_dim).index_copy_(1, last, new_k)
+            v_store.view(kv_heads, -1, head_dim).index_copy_(1, last, new_v)
+            out = kernel.paged_decode(q, k_store, v_store, table, lengths, scale)
+        return out
+
+    return call
+
+
 @torch.inference_mode()
 def _pair(mine, theirs, repeat: int, timed=None) -> dict:
     """Time `timed` (default: `mine`) and `theirs` alternately, `repeat` times each after a first call of
@@ -245,23 +338,36 @@ def measure(spec: dict, peer) -> list[dict]:
                             "runs": i == 0,
                             **_pair(lambda: [mine() for _ in range(layers)][-1],
                                     lambda: [theirs() for _ in range(layers)][-1], spec["repeat"])})
+    # a decode step's attention, where minikv runs its C++ kernel (without it, the gather path needs a step's plan)
+    if cpu_kernels() is not None:
+        context = spec.get("context", 200)
+        for batch in spec["batches"]:
+            q = torch.randn(batch, heads, head_dim, generator=gen)
+            keys, values = (torch.randn(batch, context + 1, kv_heads, head_dim, generator=gen) for _ in range(2))
+            mine = minikv_decode_attention(q, keys, values, head_dim ** -0.5, layers, gen)
+            theirs = peer.decode_attention(q, keys, values, head_dim ** -0.5, layers, gen)
+            results.append({"op": "attention", "name": f"decode, context {context + 1}", "rows": batch,
+                            "calls": layers, "runs": True, **_pair(mine, theirs, spec["repeat"])})
     return results
 
 
 def totals(results: list[dict], spec: dict) -> dict:
     """Summed over one forward: {label: [minikv ms, peer ms]} for a prefill of each prompt length (the layers'
     linears and attention at its length, the lm_head on its last row) and for the linears of a decode step at
-    each batch (its attention is not measured here: see the module's docstring). Of minikv's operators, the
+    each batch, with its attention where it was timed (minikv's C++ kernel built). Of minikv's operators, the
     ones it runs (``runs``): the prompt's attention it would not choose is timed beside, not summed."""
-    def ms(op: str, rows: int, lm_head: bool = False) -> list[float]:
+    def ms(op: str, rows: int, lm_head: bool = False, kind: str = "") -> list[float]:
         picked = [r for r in results if r["op"] == op and r["rows"] == rows and r["runs"]
-                  and r["name"].startswith("lm_head") == lm_head]
+                  and r["name"].startswith("lm_head") == lm_head and r["name"].startswith(kind)]
         return [sum(r["minikv_ms"] for r in picked), sum(r["peer_ms"] for r in picked)]
 
     out = {f"prefill of {p}": [a + b + c for a, b, c in zip(ms("linear", p), ms("linear", 1, True),
-                                                             ms("attention", p))] for p in spec["prompts"]}
-    out.update({f"decode step at batch {b}, linears": [a + c for a, c in zip(ms("linear", b), ms("linear", b, True))]
-                for b in spec["batches"]})
+                                                             ms("attention", p, kind="prompt"))]
+           for p in spec["prompts"]}
+    for b in spec["batches"]:
+        attention = ms("attention", b, kind="decode")
+        label = f"decode step at batch {b}, " + ("linears and attention" if attention[1] else "linears")
+        out[label] = [a + c + d for a, c, d in zip(ms("linear", b), ms("linear", b, True), attention)]
     return out
 
 
@@ -291,6 +397,8 @@ def cli(argv: list[str] | None = None) -> int:
                         help="whose shapes: smollm2-135m (default) or depth30 (SmolLM2's depth at a tiny width)")
     parser.add_argument("--prompts", default="200", help="prompt lengths of the prefills (default 200)")
     parser.add_argument("--batches", default="1,8,16", help="decode batch sizes (default 1,8,16)")
+    parser.add_argument("--context", type=int, default=200,
+                        help="tokens each sequence holds before a decode step (default 200, as bench steps)")
     parser.add_argument("--repeat", type=int, default=15, help="calls per figure, the median kept (default 15)")
     parser.add_argument("--peer", default="vllm", choices=["vllm", "torch"],
                         help="vllm (default: its CPU build, in .venv-vllm, `make vllm`) or torch (a stand-in in "
@@ -302,7 +410,7 @@ def cli(argv: list[str] | None = None) -> int:
         prompts, batches = ([int(x) for x in value.split(",") if x.strip()] for value in (args.prompts, args.batches))
     except ValueError:
         parser.error(f"--prompts and --batches take comma-separated integers, got {args.prompts!r}, {args.batches!r}")
-    for what, value in (("--repeat", args.repeat), *(("--prompts", p) for p in prompts),
+    for what, value in (("--repeat", args.repeat), ("--context", args.context), *(("--prompts", p) for p in prompts),
                         *(("--batches", b) for b in batches)):
         if value < 1:
             parser.error(f"{what} must be >= 1, got {value}")
@@ -321,7 +429,8 @@ def cli(argv: list[str] | None = None) -> int:
 
         config = json.loads((smollm2_dir() / "config.json").read_text())
     config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
-    spec = {"peer": args.peer, "config": config, "prompts": prompts, "batches": batches, "repeat": args.repeat}
+    spec = {"peer": args.peer, "config": config, "prompts": prompts, "batches": batches, "repeat": args.repeat,
+            "context": args.context}
     with tempfile.TemporaryDirectory(prefix="minikv-ops-") as folder:
         spec_path = Path(folder) / "spec.json"
         spec_path.write_text(json.dumps(spec))
