@@ -425,12 +425,11 @@ class ModelRunner:
         # The graph's matmuls are our packed_linear operator on the packed weights (minikv.speed.linears);
         # without packed weights, inductor's own (freezing prepacks what it can).
         packed = self.packed.active(graph=True) if self.packed is not None else nullcontext()
-        self.compiled.steps += 1
         _COMPILED.plan = plan
         try:
             with self._paged_attention(), packed:
-                out = self.compiled.forward(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                            logits_to_keep=rows)
+                out = self.compiled(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                    logits_to_keep=rows)
         finally:
             _COMPILED.plan = None
         return out.logits[0, :len(logit_rows)].float()

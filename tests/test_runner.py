@@ -434,7 +434,9 @@ def test_greedy_tokens_equal_generate(kind, cpu_kernel):
 def test_compiled_decode_steps_give_the_same_tokens():
     """compile=True: one graph, compiled at start on a warm-up step (five decodes and a six-token prompt), serves
     every later step without recompiling: prefill chunks, decodes of other batch sizes and table widths, both
-    mixed, steps that sample nothing or one row; attention runs outside it, reading each step's plan."""
+    mixed, steps that sample nothing or one row; attention runs outside it, reading each step's plan. That is
+    checked with Dynamo's guards kept, and it is why the engine may skip them after the warm-up
+    (minikv.speed.compile): the same prompts then give the same tokens."""
     from minikv_kernels import paged_attention_cpu
 
     if paged_attention_cpu.load() is None:
@@ -449,11 +451,17 @@ def test_compiled_decode_steps_give_the_same_tokens():
     max_new = [12, 5, 30, 15, 20]
     runner = ModelRunner(model, 64, 16, compile=True)
     assert runner.compiled.startup_s > 0 and runner.compiled.steps == 1  # the warm-up step
-    got = greedy_loop(runner, prompts, max_new, chunk=8)
-    assert got == [hf_greedy(model, p, n) for p, n in zip(prompts, max_new)]
+    assert runner.compiled.skip_guards   # the default (MINIKV_COMPILE_GUARDS unset)
+    runner.compiled.skip_guards = False
+    expected = [hf_greedy(model, p, n) for p, n in zip(prompts, max_new)]
+    assert greedy_loop(runner, prompts, max_new, chunk=8) == expected
     assert runner.compiled.steps > 10
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert frames == 1, f"{frames} graphs compiled: a step of another shape or structure recompiled"
+    runner.compiled.skip_guards = True
+    steps = runner.compiled.steps
+    assert greedy_loop(runner, prompts, max_new, chunk=8) == expected
+    assert runner.compiled.steps > steps + 10
 
 
 def test_cpu_kernel_falls_back_to_the_gather_path_when_it_cannot_be_built(monkeypatch):
