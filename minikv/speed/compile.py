@@ -32,8 +32,9 @@ skip_guard_eval_unsafe=True)``, as vLLM's compiled models skip Dynamo's dispatch
 that safe is what ``tests/test_runner.py`` checks with the guards kept: one graph serves prefill chunks, decodes
 of every batch and mixed steps, with no recompilation, and the tokens are the same with and without them.
 ``MINIKV_COMPILE_GUARDS=1`` keeps the guards (the control). Measured on this course's 2-core AMD EPYC machine,
-one process, blocks of ten decode steps at batch 8 turn about: 32.5 ms a step with the guards, 28.7 ms without
-(the median of the eight paired ratios, 0.91).
+in one process, blocks of ten decode steps with and without them taking turns, eight blocks each: at batch 8,
+30.4 against 28.3 ms a step (the median of the paired ratios 0.94; 0.91 in a second process); at batch 32,
+57.9 against 55.0 ms (0.94).
 
 The cost is start-up: the first compilation takes one to four minutes on two busy cores (inductor
 writes and builds C++), which is why it is off by default (``make demo`` and the notebooks build
