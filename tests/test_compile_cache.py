@@ -66,3 +66,24 @@ def test_an_unreadable_file_compiles_anew(tmp_path):
     again = start(tmp_path / "minikv", tmp_path / "inductor-2")
     assert "unreadable" in again["cache"] and "saved" in again["cache"], again["cache"]
     assert again["misses"] >= 1 and again["tokens"] == first["tokens"]
+
+
+def test_guards_are_kept_where_asked_or_where_torch_cannot_skip_them(monkeypatch):
+    """Steps skip Dynamo's guards after the warm-up (minikv.speed.compile) unless MINIKV_COMPILE_GUARDS=1 asks to
+    keep them, or this torch has no set_stance(skip_guard_eval_unsafe=...) (before 2.6; the package allows 2.5).
+    Building a CompiledForward compiles nothing: that waits for its first step."""
+    import torch
+
+    from minikv.models import tiny_random_llama
+    from minikv.speed import compile as compiled
+
+    model = tiny_random_llama(seed=3)
+    monkeypatch.delenv("MINIKV_COMPILE_GUARDS", raising=False)
+    assert compiled.CompiledForward(model).skip_guards == compiled._can_skip_guards()
+    monkeypatch.setenv("MINIKV_COMPILE_GUARDS", "1")
+    assert not compiled.CompiledForward(model).skip_guards
+    monkeypatch.delenv("MINIKV_COMPILE_GUARDS")
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda stance="default", *, force_backend=None: None)
+    assert not compiled._can_skip_guards() and not compiled.CompiledForward(model).skip_guards
+    monkeypatch.delattr(torch.compiler, "set_stance")
+    assert not compiled._can_skip_guards()

@@ -451,13 +451,15 @@ def test_compiled_decode_steps_give_the_same_tokens():
     max_new = [12, 5, 30, 15, 20]
     runner = ModelRunner(model, 64, 16, compile=True)
     assert runner.compiled.startup_s > 0 and runner.compiled.steps == 1  # the warm-up step
-    assert runner.compiled.skip_guards   # the default (MINIKV_COMPILE_GUARDS unset)
+    skippable = runner.compiled.skip_guards   # the default where this torch can (MINIKV_COMPILE_GUARDS unset)
     runner.compiled.skip_guards = False
     expected = [hf_greedy(model, p, n) for p, n in zip(prompts, max_new)]
     assert greedy_loop(runner, prompts, max_new, chunk=8) == expected
     assert runner.compiled.steps > 10
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert frames == 1, f"{frames} graphs compiled: a step of another shape or structure recompiled"
+    if not skippable:
+        return
     runner.compiled.skip_guards = True
     steps = runner.compiled.steps
     assert greedy_loop(runner, prompts, max_new, chunk=8) == expected

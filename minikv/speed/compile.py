@@ -31,10 +31,10 @@ or more). So once the warm-up step has compiled it, each step runs under ``torch
 skip_guard_eval_unsafe=True)``, as vLLM's compiled models skip Dynamo's dispatch after their warm-up. What makes
 that safe is what ``tests/test_runner.py`` checks with the guards kept: one graph serves prefill chunks, decodes
 of every batch and mixed steps, with no recompilation, and the tokens are the same with and without them.
-``MINIKV_COMPILE_GUARDS=1`` keeps the guards (the control). Measured on this course's 2-core AMD EPYC machine,
-in one process, blocks of ten decode steps with and without them taking turns, eight blocks each: at batch 8,
-30.4 against 28.3 ms a step (the median of the paired ratios 0.94; 0.91 in a second process); at batch 32,
-57.9 against 55.0 ms (0.94).
+``MINIKV_COMPILE_GUARDS=1`` keeps the guards (the control), and so does a torch without that stance (before
+2.6). Measured on this course's 2-core AMD EPYC machine, in one process, blocks of ten decode steps with and
+without them taking turns, eight blocks each: at batch 8, 30.4 against 28.3 ms a step (the median of the paired
+ratios 0.94; 0.91 in a second process); at batch 32, 57.9 against 55.0 ms (0.94).
 
 The cost is start-up: the first compilation takes one to four minutes on two busy cores (inductor
 writes and builds C++), which is why it is off by default (``make demo`` and the notebooks build
@@ -58,8 +58,10 @@ an error: the forward then compiles as if it were not there. ``startup_s`` recor
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -85,14 +87,15 @@ class CompiledForward:
         self.startup_s = 0.0  # seconds spent compiling (the warm-up step), recorded by warm_up
         self.steps = 0  # steps run compiled
         # after the first step has compiled the graph, steps skip Dynamo's guards (see the module's docstring)
-        self.skip_guards = os.environ.get("MINIKV_COMPILE_GUARDS", "0") != "1"
+        self.skip_guards = os.environ.get("MINIKV_COMPILE_GUARDS", "0") != "1" and _can_skip_guards()
         self.artifacts = artifacts_path(model, freezing)
         self.cache = "not kept"  # what warm_up did with the artifacts file: "loaded", "saved" or why neither
 
     def __call__(self, **inputs):
         """One step through the graph: the first compiles it, with the guards; the later ones skip them."""
         self.steps += 1
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=self.skip_guards and self.steps > 1):
+        skip = self.skip_guards and self.steps > 1
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if skip else nullcontext():
             return self.forward(**inputs)
 
     @staticmethod
@@ -137,6 +140,12 @@ class CompiledForward:
             self.cache = ("" if self.cache == "not kept" else self.cache + "; ") + f"saved {self.artifacts}"
         except OSError as err:
             self.cache = f"not kept ({err})"
+
+
+def _can_skip_guards() -> bool:
+    """Whether this torch has ``set_stance(skip_guard_eval_unsafe=...)`` (2.6 on; the package allows 2.5)."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance is not None and "skip_guard_eval_unsafe" in inspect.signature(stance).parameters
 
 
 def artifacts_path(model: torch.nn.Module, freezing: bool) -> Path | None:
