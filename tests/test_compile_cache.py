@@ -87,3 +87,37 @@ def test_guards_are_kept_where_asked_or_where_torch_cannot_skip_them(monkeypatch
     assert not compiled._can_skip_guards() and not compiled.CompiledForward(model).skip_guards
     monkeypatch.delattr(torch.compiler, "set_stance")
     assert not compiled._can_skip_guards()
+
+
+def test_only_a_graph_the_warm_up_compiled_skips_its_guards(monkeypatch):
+    """The warm-up step's sizes are all distinct; a graph first compiled on another step (a pool too small to warm
+    up) may have tied two, and needs its guards to recompile when a step tells them apart. So steps skip the guards
+    only after warm_up's step, never during it, and never without it."""
+    from contextlib import contextmanager
+
+    import torch
+
+    from minikv.models import tiny_random_llama
+    from minikv.speed.compile import CompiledForward
+
+    monkeypatch.delenv("MINIKV_COMPILE_GUARDS", raising=False)
+    forward = CompiledForward(tiny_random_llama(seed=3))
+    if not forward.skip_guards:
+        pytest.skip("this torch cannot skip guards")
+    forward.artifacts = None   # nothing to load or save: this test compiles nothing
+    skipped = []
+
+    @contextmanager
+    def stance(stance="default", *, skip_guard_eval_unsafe=False, force_backend=None):
+        skipped.append(skip_guard_eval_unsafe)
+        yield
+
+    monkeypatch.setattr(torch.compiler, "set_stance", stance)
+    forward.forward = lambda **inputs: skipped.append("step")
+    forward(input_ids=None)                           # a first step that was not warm_up's
+    assert skipped == ["step"] and not forward.warm
+    forward.warm_up(lambda: forward(input_ids=None))   # warm_up's own step keeps them
+    assert skipped == ["step", "step"] and forward.warm
+    forward(input_ids=None)
+    forward(input_ids=None)
+    assert skipped == ["step", "step", True, "step", True, "step"] and forward.steps == 4

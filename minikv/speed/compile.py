@@ -31,8 +31,9 @@ or more). So once the warm-up step has compiled it, each step runs under ``torch
 skip_guard_eval_unsafe=True)``, as vLLM's compiled models skip Dynamo's dispatch after their warm-up. What makes
 that safe is what ``tests/test_runner.py`` checks with the guards kept: one graph serves prefill chunks, decodes
 of every batch and mixed steps, with no recompilation, and the tokens are the same with and without them.
-``MINIKV_COMPILE_GUARDS=1`` keeps the guards (the control), and so does a torch without that stance (before
-2.6). Measured on this course's 2-core AMD EPYC machine, in one process, blocks of ten decode steps with and
+A graph first compiled on another step (a pool too small for the warm-up) may have tied two sizes, so it keeps
+its guards. ``MINIKV_COMPILE_GUARDS=1`` keeps them too (the control), and so does a torch without that stance
+(before 2.6). Measured on this course's 2-core AMD EPYC machine, in one process, blocks of ten decode steps with and
 without them taking turns, eight blocks each: at batch 8, 30.4 against 28.3 ms a step (the median of the paired
 ratios 0.94; 0.91 in a second process); at batch 32, 57.9 against 55.0 ms (0.94).
 
@@ -86,15 +87,18 @@ class CompiledForward:
         self.forward = torch.compile(model.forward, dynamic=True, options={"freezing": freezing})
         self.startup_s = 0.0  # seconds spent compiling (the warm-up step), recorded by warm_up
         self.steps = 0  # steps run compiled
-        # after the first step has compiled the graph, steps skip Dynamo's guards (see the module's docstring)
+        # once warm_up's step has compiled the graph, steps skip Dynamo's guards (see the module's docstring)
         self.skip_guards = os.environ.get("MINIKV_COMPILE_GUARDS", "0") != "1" and _can_skip_guards()
+        self.warm = False
         self.artifacts = artifacts_path(model, freezing)
         self.cache = "not kept"  # what warm_up did with the artifacts file: "loaded", "saved" or why neither
 
     def __call__(self, **inputs):
-        """One step through the graph: the first compiles it, with the guards; the later ones skip them."""
+        """One step through the graph, skipping the guards once warm_up's step has compiled it. Only that step's
+        sizes are known to be all distinct: a graph first compiled on another step (a pool too small to warm up)
+        may have tied two sizes that a later step needs apart, so its guards stay, to recompile it then."""
         self.steps += 1
-        skip = self.skip_guards and self.steps > 1
+        skip = self.skip_guards and self.warm
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True) if skip else nullcontext():
             return self.forward(**inputs)
 
@@ -109,6 +113,7 @@ class CompiledForward:
         start = time.perf_counter()
         loaded = self._load()
         run_step()
+        self.warm = True
         self.startup_s = time.perf_counter() - start
         if not loaded:
             self._save()
