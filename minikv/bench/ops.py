@@ -124,12 +124,10 @@ class VllmOps:
         for _ in range(layers):
             table = torch.randperm(seqs * per_seq, generator=gen).view(seqs, per_seq).to(torch.int32)
             key_cache, value_cache = torch.zeros(seqs * per_seq, kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
-            pos = torch.arange(length - 1)
-            slots = (table[:, pos // block_size].long() * block_size + pos % block_size).flatten()
+            slots = paged_slots(table, length, block_size)
             store(keys[:, :-1].reshape(-1, kv_heads, head_dim), values[:, :-1].reshape(-1, kv_heads, head_dim),
-                  key_cache, value_cache, slots)
-            last = table[:, (length - 1) // block_size].long() * block_size + (length - 1) % block_size
-            stores.append((key_cache, value_cache, table, last))
+                  key_cache, value_cache, slots[:, :-1].flatten())
+            stores.append((key_cache, value_cache, table, slots[:, -1].contiguous()))
         out = torch.empty_like(q)
 
         def call():
@@ -256,6 +254,13 @@ def minikv_prompt_attention(q, k, v, scale: float, kernel: bool, block_size: int
     return call
 
 
+def paged_slots(table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Where each of a sequence's first ``length`` tokens lies in a pool of blocks, given its block table
+    [S, blocks]: slot = block * block_size + offset, as both engines number them. [S, length] int64."""
+    pos = torch.arange(length)
+    return table[:, pos // block_size].long() * block_size + pos % block_size
+
+
 def minikv_decode_attention(q, keys, values, scale: float, layers: int, gen, block_size: int = 16):
     """The kernel branch of ``minikv.dispatch.attend_layer`` for a decode batch: per layer a head-major store
     [KVH, blocks, block_size, D] whose blocks are scattered, holding the first L - 1 positions of keys/values
@@ -269,8 +274,7 @@ def minikv_decode_attention(q, keys, values, scale: float, layers: int, gen, blo
     stores = []
     for _ in range(layers):
         table = torch.randperm(seqs * per_seq, generator=gen).view(seqs, per_seq).to(torch.int32)
-        slots = (table.long().repeat_interleave(block_size, 1) * block_size
-                 + torch.arange(per_seq * block_size) % block_size)[:, :length]   # [S, L]
+        slots = paged_slots(table, length, block_size)
         k_store, v_store = (torch.zeros(kv_heads, seqs * per_seq, block_size, head_dim) for _ in range(2))
         for store, x in ((k_store, keys), (v_store, values)):
             store.view(kv_heads, -1, head_dim)[:, slots[:, :-1].flatten()] = x[:, :-1].reshape(-1, kv_heads,
