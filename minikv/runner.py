@@ -52,6 +52,7 @@ from minikv.metrics import SPAN_ATTENTION, SPAN_EXECUTE, SPAN_PLAN, spanned
 from minikv.sizing import cache_shape, kv_bytes_per_block
 from minikv.speed.linears import PackedLinears
 from minikv.speed.malloc import keep_freed_memory
+from minikv.speed.operators import operator
 from minikv.step import GATHER, AttentionBackend, AttnGroup, SeqStep, StepPlan
 from minikv.validation import check_block_size, check_num_blocks
 
@@ -169,17 +170,17 @@ def split_by_length(seq_lens: list[int], block_size: int, q_lens: list[int] | No
 _COMPILED = threading.local()
 
 
-@torch.library.custom_op("minikv_speed::paged_attention", mutates_args=())
-def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
-                       scaling: float) -> torch.Tensor:
-    """:func:`paged_attention_forward` as one operator, for compiled graphs (it writes the layer's K/V store,
-    which is not an argument: the graph orders the layers' calls by their data, as it does any operator's)."""
+def _paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                     scaling: float) -> torch.Tensor:
     return attend_layer(_COMPILED.plan, layer, query, key, value, scaling)
 
 
-@paged_attention_op.register_fake
-def _(query, key, value, layer, scaling):
-    return query.new_empty((1, query.shape[2], query.shape[1], query.shape[3]))
+# :func:`paged_attention_forward` as one operator, for compiled graphs. It writes the layer's K/V store, which is
+# not an argument: the graph orders the layers' calls by their data, as it does any operator's.
+paged_attention_op = operator(
+    "paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scaling) -> Tensor",
+    _paged_attention,
+    lambda query, key, value, layer, scaling: query.new_empty((1, query.shape[2], query.shape[1], query.shape[3])))
 
 
 @spanned(SPAN_ATTENTION)

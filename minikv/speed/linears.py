@@ -34,6 +34,7 @@ from contextlib import contextmanager
 import torch
 
 from minikv.speed.choose import PATHS, choices, cpu_model, fastest, requested
+from minikv.speed.operators import operator
 
 __all__ = ["MERGED", "PackedLinears", "merged_linear", "packed_linear"]
 
@@ -55,6 +56,11 @@ LM_HEAD_SIZE = 10**7
 def mkl_packing() -> bool:
     """Whether this PyTorch has MKL's packed sgemm as an operator (x86 builds with MKL do)."""
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+# The two packed matmuls' overloads, looked up once: torch.ops' attribute lookups cost a microsecond a call.
+_ONEDNN_LINEAR = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
+_MKL_LINEAR = getattr(getattr(torch.ops.mkl, "_mkl_linear", None), "default", None)
 
 
 def bucket_of(rows: int) -> int:
@@ -102,10 +108,10 @@ class Packed:
 
     def run(self, path: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if path == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.copy(path), bias, "none", [], "")
+            return _ONEDNN_LINEAR(x, self.copy(path), bias, "none", [], "")
         if path == "mkl":
             stand_in = x.new_empty(1).expand(self.shape)  # the (N, K) the op reads for its fallback; no data
-            return torch.ops.mkl._mkl_linear(x, self.copy(path), stand_in, bias, x.numel() // x.shape[-1])
+            return _MKL_LINEAR(x, self.copy(path), stand_in, bias, x.numel() // x.shape[-1])
         if len(self.weights) == 1:
             return torch.nn.functional.linear(x, self.weights[0], bias)
         biases = bias.split(self.sizes) if bias is not None else [None] * len(self.weights)
@@ -180,23 +186,27 @@ def _packed(module: torch.nn.Linear) -> Packed:
 # operators, which see only the dense weights: (versions, shapes, copy). Weak references: the packed copy lives
 # as long as its module's entry in _PACKED or _PACKED_MERGED, never longer (a notebook that builds and drops
 # many engines must not keep their copies).
-_BY_WEIGHTS: dict[tuple[int, ...], tuple[tuple[int, ...], tuple, weakref.ref]] = {}
+# (This runs at every matmul of a compiled step: list comprehensions, not generators, which cost a microsecond more.)
+_BY_WEIGHTS: dict[tuple[int, ...], tuple[list[int], list[torch.Size], weakref.ref]] = {}
 
 
-def _stamp(weights: list[torch.Tensor]) -> tuple[tuple[int, ...], tuple]:
-    return tuple(w._version for w in weights), tuple(tuple(w.shape) for w in weights)
+def _key(weights: list[torch.Tensor]) -> tuple[int, ...]:
+    return tuple([w.data_ptr() for w in weights])
 
 
 def _remember(weights: list[torch.Tensor], packed: Packed) -> None:
-    _BY_WEIGHTS[tuple(w.data_ptr() for w in weights)] = (*_stamp(weights), weakref.ref(packed))
+    _BY_WEIGHTS[_key(weights)] = ([w._version for w in weights], [w.shape for w in weights], weakref.ref(packed))
 
 
 def _packed_copy(weights: list[torch.Tensor]) -> Packed:
     """The live packed copies of these weights, if they are current; else packed now (correct, if slow; never a
     stale copy)."""
-    entry = _BY_WEIGHTS.get(tuple(w.data_ptr() for w in weights))
-    packed = entry[2]() if entry is not None and entry[:2] == _stamp(weights) else None
-    return packed if packed is not None else Packed(weights if len(weights) > 1 else weights[0])
+    entry = _BY_WEIGHTS.get(_key(weights))
+    if entry is not None and entry[0] == [w._version for w in weights] and entry[1] == [w.shape for w in weights]:
+        packed = entry[2]()
+        if packed is not None:
+            return packed
+    return Packed(weights if len(weights) > 1 else weights[0])
 
 
 # The plans of the PackedLinears whose forwards are active (by weight shape), for the compiled graph's operators.
@@ -257,28 +267,24 @@ class _Merged:
         return forward
 
 
-@torch.library.custom_op("minikv_speed::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` on the path the active plan chose for this shape and row count (decided
-    here, at run time, since a compiled graph's row count is symbolic), on ``weight``'s packed copies."""
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return _run(_packed_copy([weight]), x, bias)
 
 
-@packed_linear.register_fake
-def _(x, weight, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@torch.library.custom_op("minikv_speed::merged_linear", mutates_args=())
-def merged_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
-    """Sibling linears on one input, their outputs side by side (``biases``: one per weight, or none): one
-    matmul on the siblings' merged packed copy, or each sibling's ``F.linear`` where the plan says eager."""
+def _merged_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
     return _run(_packed_copy(weights), x, torch.cat(biases) if biases else None)
 
 
-@merged_linear.register_fake
-def _(x, weights, biases):
-    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+# ``F.linear(x, weight, bias)`` on the path the active plan chose for this shape and row count (decided at run
+# time, since a compiled graph's row count is symbolic), on ``weight``'s packed copies.
+packed_linear = operator(
+    "packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _packed_linear,
+    lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])))
+# Sibling linears on one input, their outputs side by side (``biases``: one per weight, or none): one matmul on
+# the siblings' merged packed copy, or each sibling's ``F.linear`` where the plan says eager.
+merged_linear = operator(
+    "merged_linear(Tensor x, Tensor[] weights, Tensor[] biases) -> Tensor", _merged_linear,
+    lambda x, weights, biases: x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights))))
 
 
 class PackedLinears:
