@@ -23,8 +23,9 @@ K/V, so that a small-row matmul and a decode's attention stream from memory as i
 forward, the figures say how much of `bench steps`' gap, prefill and decode, the operators account for.
 
 vLLM's operators are compiled against its virtualenv's PyTorch, so everything runs there; minikv's side
-is PyTorch alone and four minikv files that import nothing else (``minikv/speed/linears.py`` and its chooser
-``minikv/speed/choose.py``, ``kernels/paged_attention_cpu.py``, ``minikv/bench/linear.py``), loaded by path, and the two
+is PyTorch alone and five minikv files that import nothing else (``minikv/speed/linears.py`` with the two it
+imports, its chooser ``minikv/speed/choose.py`` and ``minikv/speed/operators.py``, ``kernels/paged_attention_cpu.py``,
+``minikv/bench/linear.py``), loaded by path, and the two
 virtualenvs must have the same PyTorch build (checked). This file is that script: above ``cli`` it imports
 torch only.
 """
@@ -42,7 +43,8 @@ import torch.nn.functional as F
 
 MARKER = "MINIKV-OPS "   # the result line (vLLM logs to stdout too)
 LINEARS = Path(__file__).resolve().parent.parent / "speed" / "linears.py"
-CHOOSE = LINEARS.with_name("choose.py")   # what linears.py imports: the chooser of its paths
+CHOOSE = LINEARS.with_name("choose.py")   # what linears.py imports: the chooser of its paths,
+OPERATORS = LINEARS.with_name("operators.py")   # and how its operators are registered
 KERNELS = Path(__file__).resolve().parent.parent.parent / "kernels" / "paged_attention_cpu.py"
 TIMING = Path(__file__).resolve().parent / "linear.py"   # its `alternate`: two things timed turn about
 
@@ -196,8 +198,9 @@ def minikv_linears(layers: list[list[torch.Tensor]]) -> list:
     streaming from memory. (Chosen over one weight, hot in the cache, the plan took MKL at one row for three of
     SmolLM2's shapes on an AMD EPYC, which then ran twice as slow as oneDNN over thirty layers.) One callable per
     layer, as a layer calls its siblings on one input; it returns the siblings' outputs."""
-    if "minikv.speed.choose" not in sys.modules:   # linears.py's one import of minikv, found under its own name
-        sys.modules["minikv.speed.choose"] = _minikv_module("minikv.speed.choose", CHOOSE)
+    for name, path in (("minikv.speed.choose", CHOOSE), ("minikv.speed.operators", OPERATORS)):
+        if name not in sys.modules:   # linears.py's imports of minikv, found under their own names
+            sys.modules[name] = _minikv_module(name, path)
     linears = _minikv_module("minikv.speed.linears", LINEARS)
     holders = torch.nn.ModuleList()
     for weights in layers:
