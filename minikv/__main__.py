@@ -20,6 +20,8 @@ BENCHES = {  # name -> module in minikv.bench exposing cli(argv) -> int
               "does x whole or chunked prefill; the largest gaps, victims paired, and a verdict in words.",
     "steps": "One step's cost, minikv vs vLLM's CPU build (--vllm), shape by shape: a prefill, decode at "
              "batches 1..8; --model depth30 for the fixed cost per step.",
+    "hugepages": "Packed weights on huge pages against 4 KiB ones, in one process taking turns: oneDNN's matmuls "
+                 "at 1/8/32 rows, and (--engine) two SmolLM2 engines, one moved.",
     "roofline": "This host's read bandwidth and fp32 matmul peak, measured in-process, and SmolLM2's step floors.",
     "sampling": "Drawing a step's sampled tokens: minikv's draw (one uniform number per row, walked along the "
                 "cumulative distribution) vs torch.multinomial, rows 1..64.",

@@ -40,6 +40,7 @@ passed computes with stock PyTorch everywhere else.
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager, nullcontext
 from typing import Protocol, runtime_checkable
 
@@ -284,6 +285,13 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, max_num_seqs, blocks_for(config.max_position_embeddings, block_size),
                                        scratch_block=num_blocks)
 
+    def long_run(self) -> None:
+        """This runner will run long (a server, a benchmark): make now what it would do once it paid for itself,
+        rather than stall a step for it later (the packed weights' move onto huge pages, where it is measured faster
+        here: ``minikv.speed.hugepages``)."""
+        if self.packed is not None:
+            self.packed.move_now()
+
     def describe(self) -> str:
         """The speed levers chosen at start, in words (LLMEngine.speed_levers)."""
         linears = self.packed.describe() if self.packed is not None else "linears: eager F.linear (not prepacked)"
@@ -395,6 +403,13 @@ class ModelRunner:
         """Run one step; return float32 logits [number of steps wanting logits, vocab], in steps' order."""
         if not steps:
             raise ValueError("execute needs at least one SeqStep")
+        start = time.perf_counter()
+        logits = self._execute(steps)
+        if self.packed is not None:   # what the step took decides when the weights move to huge pages
+            self.packed.after_step(time.perf_counter() - start)
+        return logits
+
+    def _execute(self, steps: list[SeqStep]) -> torch.Tensor:
         if self.graphs is not None and self.graphs.applies(steps):
             self.check(steps)  # the eager step's checks, without building its plan
             return self.graphs.run(steps)

@@ -45,6 +45,7 @@ MARKER = "MINIKV-OPS "   # the result line (vLLM logs to stdout too)
 LINEARS = Path(__file__).resolve().parent.parent / "speed" / "linears.py"
 CHOOSE = LINEARS.with_name("choose.py")   # what linears.py imports: the chooser of its paths,
 OPERATORS = LINEARS.with_name("operators.py")   # and how its operators are registered
+HUGEPAGES = LINEARS.with_name("hugepages.py")   # and whether its packed weights go on huge pages
 KERNELS = Path(__file__).resolve().parent.parent.parent / "kernels" / "paged_attention_cpu.py"
 TIMING = Path(__file__).resolve().parent / "linear.py"   # its `alternate`: two things timed turn about
 
@@ -198,7 +199,8 @@ def minikv_linears(layers: list[list[torch.Tensor]]) -> list:
     streaming from memory. (Chosen over one weight, hot in the cache, the plan took MKL at one row for three of
     SmolLM2's shapes on an AMD EPYC, which then ran twice as slow as oneDNN over thirty layers.) One callable per
     layer, as a layer calls its siblings on one input; it returns the siblings' outputs."""
-    for name, path in (("minikv.speed.choose", CHOOSE), ("minikv.speed.operators", OPERATORS)):
+    for name, path in (("minikv.speed.choose", CHOOSE), ("minikv.speed.operators", OPERATORS),
+                       ("minikv.speed.hugepages", HUGEPAGES)):
         if name not in sys.modules:   # linears.py's imports of minikv, found under their own names
             sys.modules[name] = _minikv_module(name, path)
     linears = _minikv_module("minikv.speed.linears", LINEARS)

@@ -34,6 +34,8 @@ from contextlib import contextmanager
 import torch
 
 from minikv.speed.choose import PATHS, choices, cpu_model, fastest, requested
+from minikv.speed.hugepages import HugePages, decide
+from minikv.speed.hugepages import requested as requested_huge_pages
 from minikv.speed.operators import operator
 
 __all__ = ["MERGED", "PackedLinears", "merged_linear", "packed_linear"]
@@ -209,6 +211,9 @@ def _packed_copy(weights: list[torch.Tensor]) -> Packed:
     return Packed(weights if len(weights) > 1 else weights[0])
 
 
+# The move onto huge pages of a model's packed copies, by its sample Packed (see PackedLinears._huge_pages).
+_HUGE_PAGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 # The plans of the PackedLinears whose forwards are active (by weight shape), for the compiled graph's operators.
 _ACTIVE_PLANS: dict[tuple[int, int], Plan] = {}
 
@@ -328,11 +333,39 @@ class PackedLinears:
         for shape, entries in by_shape.items():
             for p, _ in entries:
                 p.keep(set(self.plans[shape].by_bucket.values()))
+        self.huge_pages, self.huge_how = self._huge_pages()
         for group in groups:
             group.plan = self.plans[group.packed.shape]
         for m in singles:
             self.forwards[m] = self._forward(m, packed[m], self.plans[packed[m].shape])
             self.graph_forwards[m] = self._graph_forward(m)
+
+    def _huge_pages(self) -> tuple[HugePages | None, str]:
+        """The move of the packed copies onto huge pages, where that is measured faster here (``minikv.speed.
+        hugepages``, on the largest weight a step reads per call, the lm_head aside). One per set of copies: every
+        PackedLinears of a model shares its copies, and the steps of each count towards their move."""
+        onednn = [p for p in self.packed if "onednn" in p.copies and p.shape[0] * p.shape[1] < LM_HEAD_SIZE]
+        if not onednn:
+            return None, "no oneDNN copies"
+        sample = max(onednn, key=lambda p: p.shape[0] * p.shape[1])
+        verdict = decide(torch.cat(sample.weights), lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None))
+        if verdict.saving is None:
+            return None, verdict.how
+        copies = [c for p in self.packed for c in p.copies.values()]
+        move = _HUGE_PAGES.get(sample)
+        if move is None or move.ids != [id(c) for c in copies]:
+            move = _HUGE_PAGES[sample] = HugePages(copies, verdict, now=requested_huge_pages() == "on")
+        return move, verdict.how
+
+    def move_now(self) -> None:
+        """The move onto huge pages now, if it is measured faster here and not yet made (see :meth:`after_step`)."""
+        if self.huge_pages is not None and self.huge_pages.done is None:
+            self.huge_pages.move()
+
+    def after_step(self, seconds: float) -> None:
+        """A step took `seconds`: the move onto huge pages happens once 4 KiB pages have cost as much as it does."""
+        if self.huge_pages is not None:
+            self.huge_pages.after_step(seconds)
 
     @staticmethod
     def _plan(shape: tuple[int, int], entries, asked: str | None, measured: dict) -> Plan:
@@ -354,7 +387,8 @@ class PackedLinears:
         how = sorted({p.how for p in self.plans.values()})
         head = (f"linear paths on {cpu_model()} (torch {torch.__version__}, {torch.get_num_threads()} threads), "
                 f"{'/'.join(how)}" + (f" in {self.seconds:.1f} s" if "measured" in how else "") + ":")
-        return "\n".join([head] + [f"  {o}x{i}: {plan.describe()}" for (o, i), plan in sorted(self.plans.items())])
+        return "\n".join([head] + [f"  {o}x{i}: {plan.describe()}" for (o, i), plan in sorted(self.plans.items())]
+                         + [f"  packed weights on huge pages: {self.huge_pages or 'no'} ({self.huge_how})"])
 
     @staticmethod
     def _merge(model: torch.nn.Module) -> list[_Merged]:
