@@ -137,3 +137,27 @@ def test_bench_hugepages_prints_each_shape_and_row_count_beside_its_control(caps
     for name in bench.SHAPES:
         for rows in (1, 8, 32):
             assert any(line.startswith(f"{name}, {rows:>2} rows") for line in lines), (name, rows, out)
+
+
+def huge_kib_of(address: int) -> int:
+    """AnonHugePages of the one mapping that holds `address` (/proc/self/smaps): this buffer's, no one else's."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        first = line.split()[0]
+        if "-" in first and ":" not in first:   # a mapping's header: start-end perms ...
+            lo, hi = (int(x, 16) for x in first.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="transparent huge pages are Linux's")
+def test_a_buffer_asked_for_huge_pages_before_its_first_touch_gets_them():
+    buffer = hugepages.empty_on_huge_pages(8 * HUGE)
+    assert buffer is not None and buffer.numel() == 8 * HUGE and buffer.data_ptr() % HUGE == 0
+    buffer.view(torch.float32).fill_(1.0)
+    if open("/sys/kernel/mm/transparent_hugepage/enabled").read().find("[never]") >= 0:
+        pytest.skip("transparent huge pages are off on this machine")
+    assert huge_kib_of(buffer.data_ptr()) >= 4 * HUGE // 1024   # most of it: the kernel may fall back page by page
+    assert float(buffer.view(torch.float32).sum()) == 8 * HUGE // 4   # every float of it, written and read

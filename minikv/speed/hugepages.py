@@ -99,6 +99,20 @@ class Verdict:
     question: str | None = None
 
 
+def empty_on_huge_pages(nbytes: int) -> torch.Tensor | None:
+    """A fresh uint8 tensor of `nbytes` on 2 MiB pages from its first touch (an anonymous mapping, aligned, asked
+    for huge pages before anything is written), or None where the kernel will not say it can."""
+    import mmap
+
+    if platform.system() != "Linux" or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    region = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(region, dtype=torch.uint8)   # keeps the mapping alive as long as the tensor
+    start = -whole.data_ptr() % HUGE
+    return whole[start:start + nbytes]
+
+
 class HugePages:
     """Packed copies to move onto huge pages once 4 KiB pages have cost the steps as much as the move will.
 
