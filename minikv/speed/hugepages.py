@@ -23,8 +23,13 @@ page, 0.3-4 ms each here, 1.0-1.5 s for SmolLM2's 513 MiB; each later step saves
 fifty steps would never earn that back; a server does within a minute; the engine cannot know which it is in.
 So it rents before it buys: each step adds what 4 KiB pages cost it (its seconds times the measured saving), and
 once that adds up to what the move will cost, it moves, between two steps. Whatever the run's length, it then pays
-at most twice what the better choice in hindsight would have (the ski-rental argument). Moving on a thread of its
-own, beside running steps, was tried: on two cores it halved the steps' speed while it lasted.
+at most twice what the better choice in hindsight would have (the ski-rental argument), as far as the move costs
+what it is estimated to: the last move's seconds per MiB on this host, remembered (the first start's estimate, from
+the scratch copies, can be several times low: here the first 14 MiB of a move went at 0.3 ms a MiB, the rest at
+2.3-2.8). A caller that knows it
+will run long (``minikv serve``, the benchmarks) moves at start instead (``ModelRunner.long_run``), rather than
+stall one step for a second later. Moving on a thread of its own, beside running steps, was tried: on two cores it
+halved the steps' speed while it lasted.
 """
 
 from __future__ import annotations
