@@ -19,7 +19,7 @@ timed in turns at a decode step's 8 rows by ``minikv.speed.choose.fastest``, rem
 paths. ``MINIKV_HUGEPAGES=on`` moves at once, ``off`` never, ``measure`` measures again.
 
 **Moved once it pays** (:class:`HugePages`). The move costs time once: the kernel copies each 2 MiB into a huge
-page, 0.3-4 ms each here, 1.0-1.5 s for SmolLM2's 513 MiB; each later step saves a few per cent. ``make demo``'s
+page, 0.6-6 ms each here, 1.0-1.5 s for SmolLM2's 513 MiB; each later step saves a few per cent. ``make demo``'s
 fifty steps would never earn that back; a server does within a minute; the engine cannot know which it is in.
 So it rents before it buys: each step adds what 4 KiB pages cost it (its seconds times the measured saving), and
 once that adds up to what the move will cost, it moves, between two steps. Whatever the run's length, it then pays
