@@ -321,6 +321,12 @@ class LLMEngine:
             preemptions=len(batch.preempted), forward=forward))
         self._num_steps += 1
 
+    def long_run(self) -> None:
+        """This engine will run long (a server, a benchmark): its runner does now what it would otherwise do once
+        its steps had paid for it (``ModelRunner.long_run``: the packed weights' move onto huge pages)."""
+        if hasattr(self.runner, "long_run"):
+            self.runner.long_run()
+
     # -- the landlord's view (read-only; stage 7's live page) ----------------------------------------
     def speed_levers(self) -> str:
         """What the runner chose for this host, in words: each linear shape's path by row count and how it was

@@ -140,7 +140,7 @@ def run_minikv(model, tokenizer, requests: list[Request], **engine_args):
 
     start = time.perf_counter()
     llm = LLM(model, tokenizer=tokenizer, verbose=False, **engine_args)
-    llm.engine.runner.long_run()   # as a server runs: the weights' move onto huge pages made first, if it pays here
+    llm.engine.long_run()   # as a server runs: the weights' move onto huge pages made first, if it pays here
     startup = time.perf_counter() - start  # pool allocation, weight prepacking, that move
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     prompts = [{"prompt_token_ids": r.prompt} for r in requests]
@@ -214,7 +214,7 @@ def profile_minikv(model, tokenizer, requests: list[Request], **engine_args) -> 
     hooks = [model.lm_head.register_forward_pre_hook(enter), model.lm_head.register_forward_hook(leave)]
     try:
         llm = LLM(model, tokenizer=tokenizer, verbose=False, **engine_args)
-        llm.engine.runner.long_run()
+        llm.engine.long_run()
         params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             llm.generate([{"prompt_token_ids": r.prompt} for r in requests], params, use_tqdm=False)

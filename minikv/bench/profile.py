@@ -259,7 +259,7 @@ def offline_steps(args, batches: list[int], prompt_len: int, steps: int = 6, see
                 torch.set_num_threads(args.threads)
             model, tokenizer = load_model(args.model)
             engine = LLMEngine(model, tokenizer, EngineConfig.from_cli_args(args, verbose=False))
-            engine.runner.long_run()   # as `minikv serve` does
+            engine.long_run()   # as `minikv serve` does
             out.update(_decode_steps(engine, batches, prompt_len, steps, seed))
         except BaseException as err:   # re-raised in the caller
             failed.append(err)

@@ -104,7 +104,7 @@ def minikv_run(model, tokenizer, compile: bool = False, linears: str | None = No
     from minikv.sampling import SamplingParams
 
     llm = LLM(model, tokenizer=tokenizer, verbose=False, compile=compile, linears=linears)
-    llm.engine.runner.long_run()   # its steady state, as a server runs: the weights' move made first
+    llm.engine.long_run()   # its steady state, as a server runs: the weights' move made first
 
     def run(prompts: list[list[int]], max_tokens: int) -> float:
         params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)] * len(prompts)

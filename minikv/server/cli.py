@@ -119,7 +119,7 @@ def run_server(args) -> int:
             chosen = dataclasses.replace(config, max_num_batched_tokens=budget, long_prefill_token_threshold=min(
                 CPU_PREFILL_CAP, budget) if cap is None else cap)
         engine = LLMEngine(model, tokenizer, chosen)
-        engine.runner.long_run()   # a server runs long: what would pay for itself later is done before it listens
+        engine.long_run()   # a server runs long: what would pay for itself later is done before it listens
         return engine
 
     name = args.served_model_name or args.model

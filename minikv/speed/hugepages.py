@@ -27,7 +27,7 @@ at most twice what the better choice in hindsight would have (the ski-rental arg
 what it is estimated to: the last move's seconds per MiB on this host, remembered (the first start's estimate, from
 the scratch copies, can be several times low: here the first 14 MiB of a move went at 0.3 ms a MiB, the rest at
 2.3-2.8). A caller that knows it
-will run long (``minikv serve``, the benchmarks) moves at start instead (``ModelRunner.long_run``), rather than
+will run long (``minikv serve``, the benchmarks) moves at start instead (``LLMEngine.long_run``), rather than
 stall one step for a second later. Moving on a thread of its own, beside running steps, was tried: on two cores it
 halved the steps' speed while it lasted.
 """
