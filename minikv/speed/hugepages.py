@@ -102,6 +102,7 @@ class Verdict:
     move_s_per_mib: float
     how: str
     question: str | None = None
+    now: bool = False   # MINIKV_HUGEPAGES=on: move at once
 
 
 def empty_on_huge_pages(nbytes: int) -> torch.Tensor | None:
@@ -141,6 +142,9 @@ class HugePages:
                 self.move()
 
     def move(self) -> None:
+        """Move now, unless that is done."""
+        if self.done is not None:
+            return
         start = time.perf_counter()
         self.done, self.tensors = collapse(self.tensors), []
         question = self.verdict.question
@@ -169,7 +173,7 @@ def decide(weight: torch.Tensor, pack) -> Verdict:
     timed on each kind of page, at a decode step's 8 rows."""
     asked = requested()
     if asked in ("on", "off"):
-        return Verdict(0.0 if asked == "on" else None, 0.0, f"{asked} ({ENV})")
+        return Verdict(0.0 if asked == "on" else None, 0.0, f"{asked} ({ENV})", now=asked == "on")
     if weight.numel() * weight.element_size() < 2 * HUGE:   # a toy model's: a few pages in all, nothing to gain
         return Verdict(None, 0.0, "weights smaller than a huge page")
     question = f"huge pages for packed {weight.shape[0]}x{weight.shape[1]} fp32"

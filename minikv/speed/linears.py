@@ -35,7 +35,6 @@ import torch
 
 from minikv.speed.choose import PATHS, choices, cpu_model, fastest, requested
 from minikv.speed.hugepages import HugePages, decide
-from minikv.speed.hugepages import requested as requested_huge_pages
 from minikv.speed.operators import operator
 
 __all__ = ["MERGED", "PackedLinears", "merged_linear", "packed_linear"]
@@ -354,12 +353,12 @@ class PackedLinears:
         copies = [c for p in self.packed for c in p.copies.values()]
         move = _HUGE_PAGES.get(sample)
         if move is None or move.ids != [id(c) for c in copies]:
-            move = _HUGE_PAGES[sample] = HugePages(copies, verdict, now=requested_huge_pages() == "on")
+            move = _HUGE_PAGES[sample] = HugePages(copies, verdict, now=verdict.now)
         return move, verdict.how
 
     def move_now(self) -> None:
         """The move onto huge pages now, if it is measured faster here and not yet made (see :meth:`after_step`)."""
-        if self.huge_pages is not None and self.huge_pages.done is None:
+        if self.huge_pages is not None:
             self.huge_pages.move()
 
     def after_step(self, seconds: float) -> None:
